@@ -1,0 +1,215 @@
+"""Configuration dataclasses: the model's architecture (read from an HF ``config.json``)
+and the engine's knobs. Every field documents its bounds; bad values raise ``ValueError``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# architectures name -> family flags. One decoder implementation covers them all.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    """Decoder architecture. ``family`` is one of llama | mistral | qwen2 | qwen3."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        family = None
+        for a in archs:
+            if a in SUPPORTED_ARCHITECTURES:
+                family = SUPPORTED_ARCHITECTURES[a]
+                break
+        if family is None and not archs and cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
+            family = cfg["model_type"]
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+            )
+        try:
+            n_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            c = cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=n_heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json is missing required field {e.args[0]!r}") from None
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF ``config.json`` dict that transformers loads to the same architecture."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        d = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        return d
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    rs = cfg.get("rope_scaling")
+    if rs is None:
+        rp = cfg.get("rope_parameters")
+        if rp and rp.get("rope_type", "default") != "default":
+            rs = rp
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in ("default", "llama3", "linear"):
+        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3, linear")
+    return None if kind == "default" else dict(rs, rope_type=kind)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (vLLM names).
+
+    temperature: >= 0; 0 means greedy. top_p: (0, 1]. top_k: -1/0 (off) or >= 1.
+    min_p: [0, 1]. max_tokens: >= 1. seed: None or an int (own generator per request).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported yet; submit the prompt several times with different seeds")
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is None or self.top_k == 0:
+            self.top_k = -1
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. max_num_seqs: sequences decoded together (>= 1). max_model_len: prompt +
+    output tokens per sequence (None: the model's max_position_embeddings). prefill_chunk: prompt
+    tokens per prefill forward (>= 16)."""
+
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    prefill_chunk: int = 512
+    seed: int = 0
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.prefill_chunk < 16:
+            raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

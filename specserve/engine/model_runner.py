@@ -1,0 +1,241 @@
+"""ModelRunner: owns the model and the KV cache of one rank and runs forwards over a batch in which
+every sequence appends its own number of new tokens (1 for decoding, k+1 for verification, a whole
+chunk for prefill) at its own position.
+
+Under tensor parallelism the driver (rank 0) holds a ``TPRunner`` that forwards each call to worker
+processes (one ``ModelRunner`` each) before running it itself; the collectives inside the forward keep
+the ranks in step."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
+from specserve.engine.kv_cache import KVCache
+from specserve.layers.attention import ForwardContext
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import iter_safetensors, load_weights, read_config
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``auto``: bfloat16 where the hardware runs it natively (AVX512-BF16/AMX CPUs, GPUs), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None  # [B, V] ("last") or [B, Q, V] ("all"), float32; None on non-driver ranks
+    hidden: torch.Tensor | None = None  # final normed hidden of the same positions
+    aux: list | None = None  # outputs of the requested layers, all new positions [B, Q, d]
+
+
+class ModelRunner:
+    def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16):
+        model_dir = Path(model_dir)
+        self.tp = tp or TPGroup()
+        self.device = device
+        self.dtype = resolve_dtype(dtype, device)
+        self.config: ModelConfig = read_config(model_dir)
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(self.config, self.tp, self.dtype)
+        load_weights(model, iter_safetensors(model_dir))
+        self.model = model.to(device).eval()
+        cfg = self.config
+        self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
+                          self.dtype, device)
+
+    # ---- the one forward ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, slot_start: int, tokens: list[list[int]], starts: list[int], logits_mode: str = "last",
+                aux_layers: tuple = (), tree_mask: list | None = None, positions: list[list[int]] | None = None,
+                return_hidden: bool = False) -> StepOutput:
+        """Append ``tokens[b]`` to the sequence in slot ``slot_start + b`` whose cache holds ``starts[b]``
+        entries, and return logits ("last": each row's last new token; "all": every new token;
+        "none"). ``tree_mask[b]`` (bool [n_b, n_b]) restricts which new tokens see each other, with
+        ``positions[b]`` their RoPE positions; without it the new tokens are causal."""
+        dev = self.device
+        B = len(tokens)
+        lens = [len(t) for t in tokens]
+        Q = max(lens)
+        kv_len = max(s + n for s, n in zip(starts, lens))
+        self.kv.ensure(kv_len)
+        ids = torch.zeros(B, Q, dtype=torch.long)
+        pos = torch.zeros(B, Q, dtype=torch.long)
+        widx = torch.full((B, Q), self.kv.scratch, dtype=torch.long)
+        for b, (t, s, n) in enumerate(zip(tokens, starts, lens)):
+            ids[b, :n] = torch.tensor(t, dtype=torch.long)
+            widx[b, :n] = torch.arange(s, s + n)
+            pos[b, :n] = torch.tensor(positions[b], dtype=torch.long) if positions else widx[b, :n]
+        mask, causal = None, False
+        if tree_mask is None and B == 1 and Q == 1:
+            pass  # one query at the end of one sequence sees all kv_len keys
+        elif tree_mask is None and B == 1 and starts[0] == 0:
+            causal = True
+        else:
+            key = torch.arange(kv_len)
+            mask = key.view(1, 1, kv_len) <= widx.clamp(max=kv_len - 1).unsqueeze(-1)  # [B, Q, L]
+            for b, n in enumerate(lens):
+                mask[b, n:] = False
+                mask[b, n:, 0] = True  # padding rows see one key (never NaN)
+                if tree_mask is not None and tree_mask[b] is not None:
+                    s = starts[b]
+                    tm = torch.as_tensor(tree_mask[b], dtype=torch.bool)
+                    mask[b, :n, s : s + n] = tm
+            mask = mask.unsqueeze(1).to(dev)
+        ctx = ForwardContext(self.kv, slot_start, widx.to(dev), kv_len, mask, causal,
+                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1).to(dev))
+        hidden, aux = self.model(ids.to(dev), pos.to(dev), ctx, aux_layers)
+        if logits_mode == "none":
+            return StepOutput(None, None, aux)
+        if logits_mode == "last":
+            last = torch.tensor([n - 1 for n in lens], device=dev)
+            hidden = hidden[torch.arange(B, device=dev), last]
+        logits = self.model.compute_logits(hidden)
+        if not self.tp.is_driver:
+            return StepOutput(None)
+        return StepOutput(logits.float(), hidden if return_hidden else None, aux)
+
+    @torch.inference_mode()
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.kv.move(src, dst, length)
+
+    @torch.inference_mode()
+    def compact(self, slot: int, src_idx: list[int], dst_start: int) -> None:
+        self.kv.gather_into(slot, torch.tensor(src_idx, dtype=torch.long, device=self.device), dst_start)
+
+    def collective_counts(self) -> dict:
+        return dict(self.tp.counts)
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ---- tensor parallelism over processes ----------------------------------------------------------
+
+def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn):
+    torch.set_num_threads(threads)
+    try:
+        tp = init_tp_group(rank, size, init_method)
+        runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs)
+        conn.send(("ready", None))
+    except BaseException as e:  # report, do not hang the driver
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        name, args, kwargs = msg
+        try:
+            out = getattr(runner, name)(*args, **kwargs)
+            if name == "collective_counts":
+                conn.send(out)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+
+
+class TPRunner:
+    """Driver side of a ``tensor_parallel_size`` > 1 run: rank 0 lives here, ranks 1.. in processes."""
+
+    def __init__(self, model_dir, size: int, dtype="auto", max_num_seqs=16, num_threads=None):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        threads = num_threads or max(1, (os.cpu_count() or 2) // size)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.conns, self.procs = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child))
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        torch.set_num_threads(threads)
+        try:
+            self.local = ModelRunner(model_dir, init_tp_group(0, size, init_method), dtype, "cpu", max_num_seqs)
+            for c, p in zip(self.conns, self.procs):
+                if not c.poll(600):
+                    raise RuntimeError("a tensor-parallel worker did not start within 600 s")
+                status, err = c.recv()
+                if status != "ready":
+                    raise RuntimeError(f"tensor-parallel worker failed to start:\n{err}")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config, self.dtype, self.tp = self.local.config, self.local.dtype, self.local.tp
+
+    def _call(self, name, *args, **kwargs):
+        for c in self.conns:
+            c.send((name, args, kwargs))
+        return getattr(self.local, name)(*args, **kwargs)
+
+    def forward(self, *args, **kwargs) -> StepOutput:
+        return self._call("forward", *args, **kwargs)
+
+    @torch.inference_mode()
+    def move_slot(self, *args):
+        return self._call("move_slot", *args)
+
+    def compact(self, *args):
+        return self._call("compact", *args)
+
+    def collective_counts(self) -> list[dict]:
+        local = self._call("collective_counts")
+        return [local] + [c.recv() for c in self.conns]
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def shutdown(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        self.conns, self.procs = [], []
+        try:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,160 @@
+"""Tensor-parallel linear layers (vLLM names). Each parameter owns a ``weight_loader`` that takes the
+full checkpoint tensor, checks its shape and copies this rank's shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import TPGroup, split_evenly
+
+
+def partition(n: int, size: int, rank: int) -> tuple[int, int]:
+    """(start, count) of ``rank``'s share of ``n`` units split as evenly as possible (the first
+    ``n % size`` ranks take one more)."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+class ShapeMismatch(ValueError):
+    """A checkpoint tensor whose shape is not the one the parameter needs."""
+
+    def __init__(self, expected: tuple, got: tuple):
+        super().__init__(f"expected shape {tuple(expected)}, checkpoint has {tuple(got)}")
+        self.expected, self.got = tuple(expected), tuple(got)
+
+
+def check_shape(expected, loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ShapeMismatch(tuple(expected), tuple(loaded.shape))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Replicated parameter: the checkpoint tensor is copied whole."""
+    check_shape(param.shape, loaded)
+    param.data.copy_(loaded)
+
+
+def _param(shape, dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class LinearBase(nn.Module):
+    def __init__(self, tp: TPGroup, bias: bool):
+        super().__init__()
+        self.tp = tp
+        self.tp_size = tp.size
+        self.tp_rank = tp.rank
+        self.has_bias = bias
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features, out_features, bias=False, tp: TPGroup | None = None, dtype=torch.float32):
+        super().__init__(tp or TPGroup(), bias)
+        self.weight = _param((out_features, in_features), dtype, default_weight_loader)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X W^T with W split by output rows: each rank computes its slice of Y (no collective)."""
+
+    def __init__(self, in_features, out_features, bias=False, tp: TPGroup | None = None, dtype=torch.float32):
+        super().__init__(tp or TPGroup(), bias)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_local = split_evenly(out_features, self.tp_size, "output size")
+        self.weight = _param((self.out_local, in_features), dtype, self.weight_loader)
+        self.bias = _param((self.out_local,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        check_shape((self.out_features,) + tuple(param.shape[1:]), loaded)
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.out_local, self.out_local))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stored as one (gate_proj + up_proj). Shard id = index."""
+
+    def __init__(self, in_features, output_sizes: list[int], bias=False, tp=None, dtype=torch.float32):
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        full = self.output_sizes[shard_id]
+        check_shape((full,) + tuple(param.shape[1:]), loaded)
+        local = full // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp_rank * local, local))
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one matrix, split by KV-head groups (a KV head and the query heads
+    that share it stay on one rank). Groups that do not divide evenly give some ranks one more group
+    (SmolLM2's 3 KV heads over 2 ranks: 2 + 1). Shard ids "q", "k", "v"."""
+
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp=None, dtype=torch.float32):
+        super().__init__(tp or TPGroup(), bias)
+        if num_kv_heads < self.tp_size:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be >= tensor_parallel_size ({self.tp_size})")
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        group = num_heads // num_kv_heads
+        kv_start, self.kv_heads_local = partition(num_kv_heads, self.tp_size, self.tp_rank)
+        self.heads_local = self.kv_heads_local * group
+        self.q_size, self.kv_size = self.heads_local * head_dim, self.kv_heads_local * head_dim
+        self.q_start, self.kv_start = kv_start * group * head_dim, kv_start * head_dim
+        out_local = self.q_size + 2 * self.kv_size
+        self.weight = _param((out_local, hidden_size), dtype, self.weight_loader)
+        self.bias = _param((out_local,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:  # a checkpoint with q, k, v already fused
+            q_full, kv_full = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            check_shape((q_full + 2 * kv_full,) + tuple(param.shape[1:]), loaded)
+            for sid, off in (("q", 0), ("k", q_full), ("v", q_full + kv_full)):
+                self.weight_loader(param, loaded.narrow(0, off, q_full if sid == "q" else kv_full), sid)
+            return
+        heads = self.num_heads if shard_id == "q" else self.num_kv_heads
+        check_shape((heads * self.head_dim,) + tuple(param.shape[1:]), loaded)
+        local = self.q_size if shard_id == "q" else self.kv_size
+        src = self.q_start if shard_id == "q" else self.kv_start
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, src, local))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X W^T with W split by input columns; the partial products are summed by an all-reduce."""
+
+    def __init__(self, in_features, out_features, bias=False, tp: TPGroup | None = None, dtype=torch.float32,
+                 in_partition: tuple[int, int] | None = None):
+        """``in_partition``: (start, count) of this rank's input columns when the split is uneven
+        (attention output after an uneven head split); default an even split."""
+        super().__init__(tp or TPGroup(), bias)
+        self.in_features = in_features
+        if in_partition is None:
+            n = split_evenly(in_features, self.tp_size, "input size")
+            in_partition = (self.tp_rank * n, n)
+        self.in_start, self.in_local = in_partition
+        self.weight = _param((out_features, self.in_local), dtype, self.weight_loader)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        check_shape((param.shape[0], self.in_features), loaded)
+        param.data.copy_(loaded.narrow(1, self.in_start, self.in_local))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,137 @@
+"""One decoder for Llama (SmolLM2, Llama 2/3, Mistral), Qwen2 (q/k/v bias) and Qwen3 (per-head
+q_norm/k_norm), selected by ``ModelConfig`` flags. Parameter names follow HF so checkpoints map 1:1,
+except q/k/v and gate/up, which are fused (``packed_modules``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import TPGroup
+from specserve.layers.attention import Attention, ForwardContext
+from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
+from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, tp=tp, dtype=dtype,
+        )
+        o_bias = cfg.attention_bias and cfg.family != "qwen2"
+        qkv = self.qkv_proj
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype,
+                                        in_partition=(qkv.q_start, qkv.q_size))
+        self.h, self.hkv, self.d = self.qkv_proj.heads_local, self.qkv_proj.kv_heads_local, cfg.head_dim
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(layer_idx, self.h, self.hkv, cfg.head_dim)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        B, Q, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, Q, self.h, self.d)
+        k = k.view(B, Q, self.hkv, self.d)
+        v = v.view(B, Q, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+
+    def forward(self, h, cos, sin, ctx):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_checkpoint_keys = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32):
+        super().__init__()
+        tp = tp or TPGroup()
+        self.config, self.tp = cfg, tp
+        self.model = LlamaModel(cfg, tp, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, min(cfg.max_position_embeddings, 4096), cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, aux_layers=()):
+        """input_ids, positions [B, Q] -> (final normed hidden [B, Q, d], [outputs of ``aux_layers``]).
+
+        The output of decoder layer i is HF's ``hidden_states[i + 1]`` (pre-norm residual stream)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, ctx)
+            if aux_layers and i in aux_layers:
+                aux.append(h)
+        return self.model.norm(h), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden)
+
+    def checkpoint_name_map(self, name: str):
+        """HF checkpoint name -> (our parameter name, shard id) or None to skip it."""
+        if any(s in name for s in self.ignored_checkpoint_keys):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for frag, (ours, shard) in self.packed_modules.items():
+            if f".{frag}." in name:
+                return name.replace(f".{frag}.", f".{ours}."), shard
+        return name, None
+
+    def required_shards(self, param_name: str):
+        for frag, (ours, _) in self.packed_modules.items():
+            if f".{ours}." in param_name:
+                return {s for f, (o, s) in self.packed_modules.items() if o == ours}
+        return {None}

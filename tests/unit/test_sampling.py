@@ -1,0 +1,93 @@
+"""Sampling: seeded reproducibility across batch compositions, top-k/top-p/min-p masks, stops."""
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.sample.sampler import SamplingBatch, filtered_logits, sample
+
+
+def _batch(params, seed=0):
+    return SamplingBatch.build(params, [torch.Generator().manual_seed(seed + i) for i in range(len(params))])
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 99])
+def test_top_k_never_emits_masked(top_k):
+    torch.manual_seed(0)
+    logits = torch.randn(100, 100)
+    sb = _batch([SamplingParams(temperature=1.0, top_k=top_k)] * 100)
+    allowed = logits.topk(top_k, dim=-1).indices
+    for _ in range(20):
+        t = sample(logits, sb)
+        assert (allowed == t.unsqueeze(-1)).any(-1).all()
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_never_emits_masked(top_p):
+    torch.manual_seed(1)
+    logits = torch.randn(100, 100) * 2
+    sb = _batch([SamplingParams(temperature=0.8, top_p=top_p)] * 100)
+    probs = (logits / 0.8).softmax(-1)
+    sp, si = probs.sort(-1, descending=True)
+    keep_sorted = (sp.cumsum(-1) - sp) < top_p
+    allowed = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, si, keep_sorted)
+    for _ in range(20):
+        t = sample(logits, sb)
+        assert allowed.gather(-1, t.unsqueeze(-1)).all()
+
+
+def test_min_p_and_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    f = filtered_logits(logits, _batch([SamplingParams(min_p=0.2)]))
+    assert torch.isinf(f[0, 3]) and torch.isfinite(f[0, :3]).all()  # 0.05 < 0.2 * 0.5
+    sb = _batch([SamplingParams(temperature=1.0)] * 20000)
+    counts = torch.bincount(sample(logits.expand(20000, 4), sb), minlength=4).float() / 20000
+    assert (counts - torch.tensor([0.5, 0.3, 0.15, 0.05])).abs().max() < 0.015
+
+
+def test_seeded_request_same_output_in_any_batch(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=s % 7 + 3, ignore_eos=True) for s in range(5)]
+    batch = llm.generate([[9, 9], [1, 2, 3, 4, 5], [5, 6, 7], [30], [8] * 11, [100, 3]],
+                         [others[0], others[1], p, others[2], others[3], others[4]], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    again = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = llm.generate([[5, 6, 7]], p.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_stop_conditions(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    base = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    ids = base.outputs[0].token_ids
+    assert base.outputs[0].finish_reason == "length" and len(ids) == 20
+    # stop token id: generation ends at its first occurrence (the token is kept)
+    o = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  stop_token_ids=[ids[4]]), use_tqdm=False)[0].outputs[0]
+    first = ids.index(ids[4])
+    assert o.token_ids == ids[: first + 1] and o.finish_reason == "stop" and o.stop_reason == ids[4]
+    # stop string: the text is cut before it
+    word = f"w{ids[6]}"
+    o = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[word]),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == word and word not in o.text
+    assert base.outputs[0].text.startswith(o.text)
+    # EOS (id 0 here) ends generation unless ignore_eos
+    with_eos = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[]),
+                            use_tqdm=False)[0].outputs[0]
+    if 0 in ids:
+        assert with_eos.token_ids == ids[: ids.index(0) + 1] and with_eos.finish_reason == "stop"
+    else:
+        assert with_eos.token_ids == ids
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
