@@ -190,6 +190,40 @@ class SamplingParams:
 
 
 @dataclass
+class SpeculativeConfig:
+    """``speculative_config`` (vLLM names). method: a registered drafter (ngram, ...).
+    num_speculative_tokens: drafts per step, 1..32. model: the drafter's checkpoint, if it has one.
+    Every other key is the method's own option (e.g. ngram's prompt_lookup_max/min) and is checked
+    by that drafter."""
+
+    method: str
+    num_speculative_tokens: int = 5
+    model: str | None = None
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(d).__name__}")
+        d = dict(d)
+        if "method" not in d:
+            raise ValueError("speculative_config needs a 'method' (e.g. 'ngram')")
+        c = cls(method=str(d.pop("method")), num_speculative_tokens=int(d.pop("num_speculative_tokens", 5)),
+                model=d.pop("model", None), options=d)
+        if not (1 <= c.num_speculative_tokens <= 32):
+            raise ValueError(f"num_speculative_tokens must be in 1..32, got {c.num_speculative_tokens}")
+        return c
+
+    def proposer_kwargs(self) -> dict:
+        kw = dict(self.options, num_speculative_tokens=self.num_speculative_tokens)
+        if self.model is not None:
+            kw["model"] = self.model
+        return kw
+
+
+@dataclass
 class EngineConfig:
     """Engine knobs. max_num_seqs: sequences decoded together (>= 1). max_model_len: prompt +
     output tokens per sequence (None: the model's max_position_embeddings). prefill_chunk: prompt
@@ -202,7 +236,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     seed: int = 0
     num_threads: int | None = None
-    extra: dict = field(default_factory=dict)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

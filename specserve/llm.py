@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Iterator, Sequence as Seq
 
-from specserve.config import EngineConfig, SamplingParams
+from specserve.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sequence import RequestOutput
 
@@ -23,9 +23,7 @@ class LLM:
                  speculative_config: dict | None = None, seed: int = 0, max_num_seqs: int = 16,
                  max_model_len: int | None = None, device: str = "cpu", num_threads: int | None = None,
                  prefill_chunk: int = 512):
-        if speculative_config is not None:
-            raise NotImplementedError("speculative_config is not supported yet")
-        cfg = EngineConfig(dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+        cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config),dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
                            prefill_chunk=prefill_chunk)
         self.engine = LLMEngine(model, cfg, device)
@@ -111,6 +109,15 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, add_generation_prompt)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict:
+        """Speculative decoding counters since start-up: num_drafts, num_draft_tokens,
+        num_accepted_tokens, mean_acceptance_length (tokens per verification step, bonus included)
+        and acceptance_rate_per_position."""
+        return self.engine.get_metrics()
+
+    def reset_metrics(self) -> None:
+        self.engine.metrics = type(self.engine.metrics)()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -41,7 +41,8 @@ def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     }))
 
 
-def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
+def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: int = 2,
+                    vocab_size: int = TINY_VOCAB) -> Path:
     """Save a tiny random model of ``kind`` as an HF directory (with a word-level tokenizer)."""
     import transformers
 
@@ -49,7 +50,7 @@ def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: 
     arch = spec.pop("arch")
     model_type = spec.pop("model_type")
     cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
-    cfg = cfg_cls(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   rope_theta=10000.0, initializer_range=0.15, bos_token_id=None, eos_token_id=0,
                   architectures=[arch], **spec)
@@ -63,7 +64,7 @@ def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: 
                 p.copy_(0.1 * torch.randn_like(p))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    write_tiny_tokenizer(path, TINY_VOCAB)
+    write_tiny_tokenizer(path, vocab_size)
     return path
 
 
@@ -76,6 +77,13 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_dirs) -> Path:
     return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with a 16-token vocabulary: its sampled continuations have few enough
+    outcomes for distribution tests, and drafts get accepted often enough to matter."""
+    return make_tiny_model(tmp_path_factory.mktemp("small_vocab") / "m", "llama", seed=3, vocab_size=16)
 
 
 def hf_model(path, dtype=torch.float32):

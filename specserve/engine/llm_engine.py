@@ -1,6 +1,12 @@
-"""The engine loop: admit requests, prefill them in chunks, then decode the running batch one
-forward per step. Running sequences occupy KV slots 0..B-1 (a finished one's slot is refilled by
-moving the last sequence into it), so a step attends to views of the cache, never copies."""
+"""The engine loop: admit requests, prefill them in chunks, then run one speculative step per call:
+
+    proposer.propose -> runner.forward([last token + drafts] per sequence) -> rejection sampler
+    (chains) or tree verifier (trees) -> append the accepted + recovered/bonus tokens
+
+Plain decoding is the same loop with a proposer that proposes nothing. Running sequences occupy KV
+slots 0..B-1 (a finished one's slot is refilled by moving the last sequence into it), so a step
+attends to views of the cache, never copies. Rejected drafts cost nothing to drop: a sequence's cache
+length is just ``num_computed``."""
 
 from __future__ import annotations
 
@@ -14,7 +20,11 @@ from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.model_runner import ModelRunner, TPRunner
 from specserve.engine.sequence import Sequence, Status
 from specserve.models.loader import resolve_model_dir
+from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
+from specserve.sample.tree import verify_tree_greedy, verify_tree_sample
+from specserve.spec_decode import Proposal, ProposeInputs, build_proposer
+from specserve.spec_decode.metrics import SpecMetrics
 from specserve.tokenizer import Tokenizer
 
 
@@ -36,10 +46,13 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
-        eos = self.tokenizer.eos_token_ids or []
+        eos = list(self.tokenizer.eos_token_ids or [])
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
+        self.proposer = build_proposer(cfg.speculative)
+        self.proposer.load_model(self.runner)
+        self.metrics = SpecMetrics()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -100,23 +113,95 @@ class LLMEngine:
         for start in range(0, len(ids), chunk):
             piece = ids[start : start + chunk]
             last = start + chunk >= len(ids)
-            out = self.runner.forward(seq.slot, [piece], [start], "last" if last else "none")
+            out = self.runner.forward(seq.slot, [piece], [start], "last" if last else "none",
+                                      aux_layers=self.proposer.aux_layers, return_hidden=self.proposer.needs_hidden)
+            if out.aux or out.hidden is not None:
+                self.proposer.observe(seq, out.hidden[0] if out.hidden is not None else None,
+                                      [a[0, : len(piece)] for a in out.aux], reset=start == 0)
         seq.num_computed = len(ids)
         token = sample(out.logits, SamplingBatch.build([seq.params], [seq.generator]))
         seq.append_tokens(token.tolist())
         self.stats["prefill_tokens"] += len(ids)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
+    def _draft_budget(self, s: Sequence) -> int:
+        """Drafts worth verifying for ``s``: none past max_tokens or max_model_len."""
+        k = self.proposer.num_speculative_tokens
+        if s.params.max_tokens is not None:
+            k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
+        return max(0, min(k, self.max_model_len - len(s) - 1))
+
     def _decode(self) -> None:
         t0 = time.perf_counter()
         seqs = self.running
-        out = self.runner.forward(0, [[s.output_ids[-1]] for s in seqs], [s.num_computed for s in seqs], "last")
-        tokens = sample(out.logits, SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs]))
-        for s, t in zip(seqs, tokens.tolist()):
-            s.num_computed += 1
-            s.append_tokens([t])
-        self.stats["decode_tokens"] += len(seqs)
+        budgets = [self._draft_budget(s) for s in seqs]
+        if any(budgets):
+            prop = self.proposer.propose(ProposeInputs(seqs, budgets))
+        else:
+            prop = Proposal([[] for _ in seqs])
+        chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
+        trees = prop.trees if prop.has_trees else [None] * len(seqs)
+        starts = [s.num_computed for s in seqs]
+        tokens, masks, positions = [], [], []
+        for s, c, t, st in zip(seqs, chains, trees, starts):
+            if t is not None:
+                tokens.append(list(t.tokens))
+                masks.append(t.buffers.attn_mask)
+                positions.append((t.buffers.depth + st).tolist())
+            else:
+                tokens.append([s.output_ids[-1]] + c)
+                masks.append(None)
+                positions.append(list(range(st, st + 1 + len(c))))
+        any_tree = prop.has_trees
+        out = self.runner.forward(0, tokens, starts, "all", aux_layers=self.proposer.aux_layers,
+                                  tree_mask=masks if any_tree else None, positions=positions if any_tree else None,
+                                  return_hidden=self.proposer.needs_hidden)
+        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs])
+        if any_tree:
+            results = self._verify_trees(seqs, trees, chains, prop, out.logits, sb, starts)
+        else:
+            maxk = max(len(c) for c in chains)
+            dp = prop.draft_probs[:, :maxk] if prop.draft_probs is not None else None
+            res = rejection_sample(chains, dp, out.logits[:, : maxk + 1], sb).tolist()
+            results = [([t for t in row if t != PLACEHOLDER], list(range(len(row) - row.count(PLACEHOLDER))))
+                       for row in res]
+        emitted_total = 0
+        for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
+            accepted = len(emitted) - 1
+            self.metrics.record(trees[b].buffers.max_depth if trees[b] is not None else len(chains[b]), accepted)
+            s.num_computed = starts[b] + 1 + accepted
+            if out.aux or out.hidden is not None:  # the target features of the positions now kept
+                idx = torch.tensor(kept_idx, dtype=torch.long)
+                self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
+                                      [a[b, idx] for a in out.aux], reset=False)
+            emitted_total += s.append_tokens(emitted)
+        self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _verify_trees(self, seqs, trees, chains, prop, logits, sb, starts):
+        """Per sequence: (emitted tokens, indices of the new positions now kept in the cache)."""
+        results = []
+        for b, (s, t) in enumerate(zip(seqs, trees)):
+            if t is None:  # a chain row in a tree batch
+                k = len(chains[b])
+                dp = prop.draft_probs[b : b + 1, :k] if prop.draft_probs is not None and k else None
+                row = rejection_sample([chains[b]], dp, logits[b : b + 1, : k + 1], sb.subset([b]))[0].tolist()
+                kept = [x for x in row if x != PLACEHOLDER]
+                results.append((kept, list(range(len(kept)))))
+                continue
+            n = len(t.tokens)
+            tok = torch.tensor(t.tokens, dtype=torch.long)
+            if s.params.greedy:
+                nodes, extra = verify_tree_greedy(tok, logits[b, :n], t.buffers)
+            else:
+                nodes, extra = verify_tree_sample(tok, logits[b, :n], t.buffers, sb.subset([b]), s.generator)
+            if nodes != list(range(len(nodes))):  # keep the accepted path's K/V, contiguous
+                self.runner.compact(b, [starts[b] + i for i in nodes], starts[b])
+            results.append(([t.tokens[i] for i in nodes[1:]] + [int(extra)], nodes))
+        return results
+
+    def get_metrics(self) -> dict:
+        return self.metrics.as_dict()
 
     def _free_finished(self) -> None:
         i = 0

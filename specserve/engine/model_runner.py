@@ -20,6 +20,8 @@ from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import ForwardContext
+from specserve.layers.embed_head import ParallelLMHead
+from specserve.layers.linear import LinearBase, mkldnn_packing_available
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_weights, read_config
 
@@ -28,22 +30,17 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto``: bfloat16 where the hardware runs it natively (AVX512-BF16/AMX CPUs, GPUs), else float32."""
+    """``auto``: bfloat16 on GPUs and on CPUs where oneDNN runs bf16 GEMMs natively (AVX512/AMX);
+    float32 elsewhere. On an AVX2-only CPU bf16 GEMMs are emulated: a 1-token step is ~25% faster
+    than float32 but a 6-token verification step ~2x slower (weights cannot be pre-packed), so
+    float32 is the faster choice for speculative decoding there (``specserve bench`` shows both)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         return DTYPES[dtype]
     if device.startswith("cuda"):
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return torch.bfloat16 if mkldnn_packing_available(torch.bfloat16) else torch.float32
 
 
 @dataclass
@@ -54,7 +51,8 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16):
+    def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
+                 pack_weights: bool = True):
         model_dir = Path(model_dir)
         self.tp = tp or TPGroup()
         self.device = device
@@ -64,6 +62,10 @@ class ModelRunner:
             model = LlamaForCausalLM(self.config, self.tp, self.dtype)
         load_weights(model, iter_safetensors(model_dir))
         self.model = model.to(device).eval()
+        if device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype):
+            for m in self.model.modules():
+                if isinstance(m, (LinearBase, ParallelLMHead)):
+                    m.pack()
         cfg = self.config
         self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
                           self.dtype, device)
@@ -107,7 +109,8 @@ class ModelRunner:
                     mask[b, :n, s : s + n] = tm
             mask = mask.unsqueeze(1).to(dev)
         ctx = ForwardContext(self.kv, slot_start, widx.to(dev), kv_len, mask, causal,
-                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1).to(dev))
+                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1).to(dev),
+                             (starts[0], starts[0] + Q) if B == 1 else None)
         hidden, aux = self.model(ids.to(dev), pos.to(dev), ctx, aux_layers)
         if logits_mode == "none":
             return StepOutput(None, None, aux)

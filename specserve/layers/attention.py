@@ -26,6 +26,7 @@ class ForwardContext:
     is_causal: bool = False  # with mask None: plain causal mask (prefill from position 0)
     flat_b: torch.Tensor | None = None  # [B*Q] batch index of each new token
     flat_w: torch.Tensor | None = None  # [B*Q] write_idx flattened
+    write_range: tuple[int, int] | None = None  # B == 1 and the new tokens go to [a, b): slice writes
 
 
 class Attention(nn.Module):
@@ -48,8 +49,13 @@ class Attention(nn.Module):
         else:
             kc = ctx.kv.k[self.layer_idx][ctx.slot_start : ctx.slot_start + B]
             vc = ctx.kv.v[self.layer_idx][ctx.slot_start : ctx.slot_start + B]
-            kc[ctx.flat_b, :, ctx.flat_w] = k.reshape(B * Q, self.num_kv_heads, self.head_dim)
-            vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim)
+            if ctx.write_range is not None:  # one sequence writing a contiguous range: a slice copy
+                a, b = ctx.write_range
+                kc[0, :, a:b] = k[0].transpose(0, 1)
+                vc[0, :, a:b] = v[0].transpose(0, 1)
+            else:
+                kc[ctx.flat_b, :, ctx.flat_w] = k.reshape(B * Q, self.num_kv_heads, self.head_dim)
+                vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim)
             keys, vals = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
             mask, causal = ctx.mask, ctx.is_causal
         out = F.scaled_dot_product_attention(

@@ -56,6 +56,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         param.data.zero_()
         param.data[: self.vocab_end - self.vocab_start].copy_(loaded[self.vocab_start : self.vocab_end])
 
+    packed = None  # oneDNN copy of the weight (CPU), set by ``pack``; the dense weight stays (tied embedding)
+
+    def pack(self, batch_hint: int = 16) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
+
     def tie_to(self, embed: VocabParallelEmbedding) -> None:
         if embed.tp_size != self.tp_size or embed.per_partition != self.per_partition:
             raise ValueError("tied embedding and LM head must be sharded the same way")
@@ -75,7 +80,10 @@ class LogitsProcessor(nn.Module):
         self.scale = scale
 
     def forward(self, head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, head.weight, head.bias)
+        if head.packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, head.packed, head.bias, "none", [], "")
+        else:
+            logits = F.linear(hidden, head.weight, head.bias)
         if head.tp_size > 1:
             logits = head.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

@@ -39,13 +39,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         B, Q, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, Q, self.h, self.d)
-        k = k.view(B, Q, self.hkv, self.d)
-        v = v.view(B, Q, self.hkv, self.d)
+        qkv = self.qkv_proj(x)
+        v = qkv[..., self.q_size + self.kv_size :].view(B, Q, self.hkv, self.d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[..., : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(B, Q, self.h, self.d)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(B, Q, self.hkv, self.d)), cos, sin)
+        else:  # rotate q and k heads in one go
+            qk = apply_rotary(qkv[..., : self.q_size + self.kv_size].view(B, Q, self.h + self.hkv, self.d), cos, sin)
+            q, k = qk[:, :, : self.h], qk[:, :, self.h :]
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

@@ -46,6 +46,10 @@ class SamplingBatch:
             need_min_p=any(p.min_p > 0 for p in params),
         )
 
+    def subset(self, rows: list[int]) -> "SamplingBatch":
+        return SamplingBatch.build([self.params[i] for i in rows], [self.generators[i] for i in rows],
+                                   self.temperature.device)
+
     def repeat(self, counts: list[int]) -> "SamplingBatch":
         """One row per position: row i repeated counts[i] times (generators shared)."""
         idx = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
@@ -71,7 +75,8 @@ def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         if sb.need_top_p:
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
             before = probs.cumsum(-1) - probs  # mass strictly before each token
-            remove |= before >= sb.top_p.unsqueeze(-1)
+            # only rows that asked for top-p: float rounding of the cumsum must not touch the others
+            remove |= (before >= sb.top_p.unsqueeze(-1)) & (sb.top_p < 1.0).unsqueeze(-1)
             remove[:, 0] = False
         logits = logits.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if sb.need_min_p:
@@ -91,18 +96,19 @@ def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def exponential_noise(shape_v: int, generators: list[torch.Generator], device="cpu") -> torch.Tensor:
-    """[N, V] of Exp(1), row i drawn from generators[i]."""
-    e = torch.empty(len(generators), shape_v, device=device)
-    for i, g in enumerate(generators):
-        e[i].exponential_(generator=g)
-    return e
+    """[N, V] of Exp(1), row i drawn from generators[i] (on the generator's own device)."""
+    rows = [torch.empty(shape_v, device=g.device).exponential_(generator=g) for g in generators]
+    return torch.stack(rows).to(device)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (long)."""
+    greedy_tokens = logits.argmax(-1)
     if sb.all_greedy:
-        return logits.argmax(-1)
-    probs = filtered_logits(logits.float(), sb).softmax(-1)
-    noise = exponential_noise(probs.shape[-1], sb.generators, probs.device)
-    sampled = (probs / noise).argmax(-1)
-    return torch.where(sb.greedy, logits.argmax(-1), sampled)
+        return greedy_tokens
+    rows = [i for i, g in enumerate(sb.greedy.tolist()) if not g]  # greedy rows draw no randomness
+    probs = filtered_logits(logits[rows].float(), sb.subset(rows)).softmax(-1)
+    noise = exponential_noise(probs.shape[-1], [sb.generators[i] for i in rows], probs.device)
+    out = greedy_tokens.clone()
+    out[rows] = (probs / noise).argmax(-1)
+    return out

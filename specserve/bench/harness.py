@@ -1,0 +1,352 @@
+"""Benchmark harness: the same prompts (the same token ids), one request at a time, through a list of
+*methods*, one row per (method, dtype).
+
+A method is a small runner object with ``name``, ``run(ctx) -> MethodResult`` and optionally
+``check()`` (raise ``BenchError`` before anything runs when it cannot run). Rows today:
+
+- ``none``: specserve, plain decoding (the baseline every other row is compared with);
+- ``hf``:   HF transformers ``generate`` on the same HF directory, same dtype, same torch threads.
+
+Speculative methods are added the same way, as ``SpecserveMethod(name, speculative_config={...})`` in
+``METHODS`` (or through ``register_method``); their acceptance metrics come from ``LLM.get_metrics()``.
+
+Timing: every prompt is one request (batch size 1) timed from submission to its last token, prefill
+included, after one short warm-up generation per method. ``tokens_per_s`` = all generated tokens /
+the sum of those wall times, i.e. a per-request latency comparison.
+
+Identity (greedy only): for each prompt, a method's output ids are compared with ``none``'s over their
+common prefix, i.e. the first ``min(len(ours), len(theirs))`` tokens. Both stop at the same EOS ids
+(which are kept in the output) and at the same ``max_tokens``, so lengths normally match; when one run
+emits EOS where the other does not, that position is inside the common prefix and counts as a
+divergence. A length difference alone is counted in ``length_mismatches``. At temperature > 0
+``identical_to_none`` is null.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+WARMUP_TOKENS = 4
+
+
+class BenchError(ValueError):
+    """A problem with the benchmark's inputs or environment (reported as ``error: ...``)."""
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
+    """Prompts from a JSONL file (one object with a "prompt" field per line) or a plain text file (one
+    prompt per line). Blank lines are skipped. ``None``: the built-in set."""
+    p = Path(path) if path is not None else BUILTIN_PROMPTS
+    if not p.exists():
+        raise BenchError(f"prompts file does not exist: {p}")
+    lines = [(i, ln.strip()) for i, ln in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
+    if not lines:
+        raise BenchError(f"prompts file {p} has no prompts")
+    is_jsonl = p.suffix == ".jsonl" or lines[0][1].startswith("{")
+    if not is_jsonl:
+        return [ln for _, ln in lines]
+    prompts = []
+    for i, ln in lines:
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise BenchError(f"{p}:{i}: each line needs a non-empty string field \"prompt\"")
+        prompts.append(obj["prompt"])
+    return prompts
+
+
+@dataclass
+class BenchContext:
+    """What every method receives: one dtype, the shared prompt ids and the sampling settings."""
+
+    model: str | None
+    model_dir: Path
+    dtype: str  # a concrete name: float32 | bfloat16 | float16
+    prompt_ids: list[list[int]]
+    eos_ids: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    threads: int
+
+
+@dataclass
+class MethodResult:
+    outputs: list[list[int]]  # generated ids per prompt (EOS included when emitted)
+    wall_s: float  # summed per-request wall time
+    mean_acceptance_length: float = 1.0
+    acceptance_rate_per_position: list[float] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+# ---- methods --------------------------------------------------------------------------------------
+class SpecserveMethod:
+    """specserve's ``LLM``; ``speculative_config=None`` is plain decoding."""
+
+    def __init__(self, name: str, speculative_config: dict | None = None):
+        self.name = name
+        self.speculative_config = speculative_config
+
+    def run(self, ctx: BenchContext) -> MethodResult:
+        from specserve import LLM, SamplingParams
+
+        kwargs = {"speculative_config": self.speculative_config} if self.speculative_config else {}
+        llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=ctx.threads, max_num_seqs=1, **kwargs)
+        try:
+            def params(n, i=0):
+                return SamplingParams(temperature=ctx.temperature, max_tokens=n, seed=ctx.seed + i, top_p=1.0,
+                                      top_k=-1, min_p=0.0)
+
+            llm.generate([{"prompt_token_ids": ctx.prompt_ids[0]}], params(WARMUP_TOKENS), use_tqdm=False)
+            llm.reset_metrics()
+            outputs, wall = [], 0.0
+            for i, ids in enumerate(ctx.prompt_ids):
+                t0 = time.perf_counter()
+                (out,) = llm.generate([{"prompt_token_ids": ids}], params(ctx.max_tokens, i), use_tqdm=False)
+                wall += time.perf_counter() - t0
+                outputs.append(list(out.outputs[0].token_ids))
+            m = llm.get_metrics()
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()
+        return MethodResult(outputs, wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
+                            extra={k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+
+
+class HFMethod:
+    """HF transformers ``generate`` on the same directory: greedy at temperature 0, else plain sampling
+    at that temperature (top_k/top_p off, as in specserve's defaults)."""
+
+    name = "hf"
+
+    def check(self) -> None:
+        """Fail before anything runs when transformers is missing."""
+        if importlib.util.find_spec("transformers") is None:
+            raise BenchError("method 'hf' needs HF transformers: pip install specserve[bench]")
+
+    def run(self, ctx: BenchContext) -> MethodResult:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import transformers
+        except ImportError:
+            raise BenchError("method 'hf' needs HF transformers: pip install specserve[bench]") from None
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        from specserve.engine.model_runner import DTYPES
+
+        torch.set_num_threads(ctx.threads)
+        model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype]).eval()
+        pad = ctx.eos_ids[0] if ctx.eos_ids else 0
+
+        def gen(ids, n, i=0):
+            x = torch.tensor([ids])
+            kw = dict(do_sample=False) if ctx.temperature < 1e-5 else dict(
+                do_sample=True, temperature=ctx.temperature, top_k=0, top_p=1.0)
+            if kw["do_sample"]:
+                torch.manual_seed(ctx.seed + i)
+            with torch.inference_mode():
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
+                                   eos_token_id=ctx.eos_ids or None, pad_token_id=pad, **kw)
+            return y[0, len(ids):].tolist()
+
+        try:
+            gen(ctx.prompt_ids[0], WARMUP_TOKENS)
+            outputs, wall = [], 0.0
+            for i, ids in enumerate(ctx.prompt_ids):
+                t0 = time.perf_counter()
+                out = gen(ids, ctx.max_tokens, i)
+                wall += time.perf_counter() - t0
+                outputs.append(_strip_after_eos(out, ctx.eos_ids))
+        finally:
+            del model
+            gc.collect()
+        return MethodResult(outputs, wall)
+
+
+def _strip_after_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
+    """HF pads after EOS only in batches; at batch size 1 this is a no-op kept for safety."""
+    eos = set(eos_ids)
+    for j, t in enumerate(ids):
+        if t in eos:
+            return ids[: j + 1]
+    return ids
+
+
+# name -> factory
+METHODS: dict[str, Callable[[], object]] = {
+    "none": lambda: SpecserveMethod("none", None),
+    "hf": HFMethod,
+    "ngram": lambda: SpecserveMethod("ngram", {"method": "ngram", "num_speculative_tokens": 5,
+                                               "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
+}
+
+
+def register_method(name: str, factory: Callable[[], object]) -> None:
+    METHODS[name] = factory
+
+
+def parse_methods(spec: str | list[str]) -> list[str]:
+    names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    if not names:
+        raise BenchError("no methods given")
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}")
+    names = list(dict.fromkeys(names))
+    if "none" in names:
+        names.remove("none")
+    return ["none"] + names  # the baseline always runs first: every row is compared with it
+
+
+def parse_dtypes(spec: str | list[str]) -> list[str]:
+    from specserve.engine.model_runner import DTYPES, resolve_dtype
+
+    names = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec) if d.strip()]
+    if not names:
+        raise BenchError("no dtype given")
+    out = []
+    for d in names:
+        if d != "auto" and d not in DTYPES:
+            raise BenchError(f"unknown dtype {d!r}; choose from auto, float32, bfloat16, float16")
+        out.append(str(resolve_dtype(d)).removeprefix("torch."))
+    return list(dict.fromkeys(out))
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def compare(base: list[list[int]], other: list[list[int]]) -> tuple[bool, int, int]:
+    """(identical over the common prefix on every prompt, divergent prompts, length mismatches)."""
+    divergent = mismatched = 0
+    for a, b in zip(base, other):
+        n = min(len(a), len(b))
+        if a[:n] != b[:n]:
+            divergent += 1
+        elif len(a) != len(b):
+            mismatched += 1
+    return divergent == 0, divergent, mismatched
+
+
+def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", prompts_file: str | None = None,
+              num_prompts: int | None = None, max_tokens: int = 128, temperature: float = 0.0,
+              dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
+              log: Callable[[str], None] | None = None) -> list[dict]:
+    """Run every method at every dtype; returns one row (a dict) per (dtype, method)."""
+    from specserve.models.loader import resolve_model_dir
+    from specserve.tokenizer import Tokenizer
+
+    log = log or (lambda s: None)
+    names = parse_methods(methods)
+    runners = {n: METHODS[n]() for n in names}
+    for r in runners.values():
+        if hasattr(r, "check"):
+            r.check()
+    dtype_names = parse_dtypes(dtypes)
+    if max_tokens < 1:
+        raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {temperature}")
+    if threads is not None and threads < 1:
+        raise BenchError(f"--threads must be >= 1, got {threads}")
+    texts = load_prompts(prompts_file)
+    if num_prompts is not None:
+        if num_prompts < 1:
+            raise BenchError(f"--num-prompts must be >= 1, got {num_prompts}")
+        if num_prompts > len(texts):
+            log(f"note: only {len(texts)} prompts available; using all of them")
+        texts = texts[:num_prompts]
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    model_dir = resolve_model_dir(model)
+    tok = Tokenizer.from_dir(model_dir)
+    if tok.chat_template:
+        prompt_ids = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    else:
+        prompt_ids = [tok.encode(t) for t in texts]
+    from specserve.models.loader import read_config
+
+    cfg_eos = read_config(model_dir).eos_token_id
+    eos_ids = list(dict.fromkeys((tok.eos_token_ids or []) + ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or []))))
+    greedy = temperature < 1e-5
+
+    rows = []
+    for dtype in dtype_names:
+        ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads)
+        base: MethodResult | None = None
+        base_tps = None
+        for name in names:
+            log(f"running {name} ({dtype}, {len(prompt_ids)} prompts x {max_tokens} tokens, {threads} threads)...")
+            res = runners[name].run(ctx)
+            tps = res.generated_tokens / res.wall_s if res.wall_s > 0 else 0.0
+            if name == "none":
+                base, base_tps = res, tps
+            identical, divergent, mismatched = compare(base.outputs, res.outputs) if greedy else (None, None, None)
+            rows.append({
+                "method": name,
+                "dtype": dtype,
+                "tokens_per_s": round(tps, 3),
+                "speedup_vs_none": round(tps / base_tps, 4) if base_tps else None,
+                "num_prompts": len(prompt_ids),
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "generated_tokens": res.generated_tokens,
+                "wall_s": round(res.wall_s, 4),
+                "identical_to_none": identical,
+                "divergent_prompts": divergent,
+                "length_mismatches": mismatched,
+                "mean_acceptance_length": res.mean_acceptance_length,
+                "acceptance_rate_per_position": res.acceptance_rate_per_position,
+                "threads": threads,
+                "model_dir": str(model_dir),
+                **res.extra,
+            })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """method | dtype | tok/s | vs none | ours/hf | identical | mean acc. length."""
+    head = ["method", "dtype", "tok/s", "vs none", "ours/hf", "identical", "acc.len", "tokens"]
+    body = []
+    for r in rows:
+        ours_hf = ""
+        if r["method"] == "hf" and r["speedup_vs_none"]:
+            ours_hf = f"{1 / r['speedup_vs_none']:.2f}x"
+        ident = {True: "yes", False: f"NO ({r['divergent_prompts']} differ)", None: "-"}[r["identical_to_none"]]
+        if r["method"] == "none":
+            ident = "(baseline)"
+        body.append([r["method"], r["dtype"], f"{r['tokens_per_s']:.1f}",
+                     f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] is not None else "-", ours_hf, ident,
+                     f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 or i == 5 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def write_json(rows: list[dict], path: str | os.PathLike) -> None:
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def main_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

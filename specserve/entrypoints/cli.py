@@ -1,0 +1,241 @@
+"""The ``specserve`` command: ``generate``, ``convert``, ``bench`` and ``demo``.
+
+Errors a user can fix (a missing model path, a bad argument, a value the engine rejects) print
+``error: <message>`` to stderr and exit with status 2, without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+EXIT_USAGE = 2
+DEMO_QUESTION = "Explain in three sentences why the sky is blue."
+
+
+class CLIError(Exception):
+    pass
+
+
+# ---- argument parsing ---------------------------------------------------------------------------
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float32 | bfloat16 | float16") -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help=dtype_help + " (default: auto)")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default=None, metavar="METHOD",
+                   help="drafter for lossless speculative decoding (e.g. ngram); default: plain decoding")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=5, metavar="K",
+                   help="drafts verified per step (default 5)")
+    p.add_argument("--speculative-model", default=None, metavar="PATH", help="the drafter's checkpoint, if any")
+    p.add_argument("--prompt-lookup-max", type=_positive_int, default=4, help="ngram: longest n-gram to match")
+    p.add_argument("--prompt-lookup-min", type=_positive_int, default=1, help="ngram: shortest n-gram to match")
+
+
+def speculative_config_from_args(args) -> dict | None:
+    if not args.speculative_method:
+        return None
+    cfg = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative_model:
+        cfg["model"] = args.speculative_model
+    if args.speculative_method == "ngram":
+        cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve",
+                                     description="Lossless speculative decoding for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
+                       description="Generate text for one prompt, streamed to stdout; stats go to stderr.")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    g.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    g.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
+                   help="stop strings (not included in the output)")
+    _add_spec_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a .gguf file to an HF model directory")
+    c.add_argument("gguf", metavar="IN.gguf")
+    c.add_argument("out_dir", metavar="OUT_DIR")
+    c.set_defaults(func=cmd_convert)
+
+    b = sub.add_parser("bench", help="tokens/s of each method on the same prompts, one request at a time",
+                       description="Run each method on the same prompts (same token ids), one request at a "
+                                   "time, and report tokens/s, speed-up over plain decoding and whether greedy "
+                                   "outputs are identical to plain decoding.")
+    _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each")
+    b.add_argument("--methods", default="none,hf",
+                   help="comma list of methods (default none,hf); 'none' (the baseline) always runs")
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
+                        "(default: the built-in set)")
+    b.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default all)")
+    b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads for every method (default: torch's default)")
+    b.add_argument("--json", default=None, metavar="OUT", help="write the rows as a JSON list to OUT")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="stream a short chat answer from the default model and report tokens/s")
+    d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from specserve import __version__
+
+        return __version__
+    except Exception:
+        return "?"
+
+
+# ---- commands -----------------------------------------------------------------------------------
+def _stream(llm, prompt, params, out=sys.stdout) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    for delta in llm.stream(prompt, params):
+        out.write(delta)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return time.perf_counter() - t0, llm.last_output
+
+
+def cmd_generate(args) -> int:
+    from specserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+    llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              num_threads=args.threads, speculative_config=speculative_config_from_args(args))
+    try:
+        if args.chat:
+            prompt = {"prompt": args.prompt,
+                      "prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])}
+        else:
+            prompt = args.prompt
+        wall, out = _stream(llm, prompt, params)
+        comp = out.outputs[0]
+        n = len(comp.token_ids)
+        st = llm.engine.stats
+        decode = f", decode {st['decode_tokens'] / st['decode_s']:.1f} tok/s" if st["decode_s"] > 0 else ""
+        if args.speculative_method:
+            m = llm.get_metrics()
+            decode += (f", {args.speculative_method}: mean acceptance length {m['mean_acceptance_length']:.2f}, "
+                       f"{m['num_accepted_tokens']}/{m['num_draft_tokens']} drafts accepted")
+        print(f"[specserve] {n} tokens in {wall:.2f} s: {n / wall if wall > 0 else 0.0:.1f} tok/s{decode}, "
+              f"prompt {len(out.prompt_token_ids)} tokens, finish_reason={comp.finish_reason}",
+              file=sys.stderr, flush=True)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    src = Path(args.gguf)
+    if not src.is_file():
+        raise CLIError(f"no such file: {args.gguf}")
+    from specserve.models.gguf import convert
+
+    out = convert(src, args.out_dir)
+    files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
+    print(f"wrote an HF model directory to {out} ({files})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specserve.bench.harness import format_table, main_log, run_bench, write_json
+
+    rows = run_bench(model=args.model, methods=args.methods, prompts_file=args.prompts, num_prompts=args.num_prompts,
+                     max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
+                     threads=args.threads, seed=args.seed, log=main_log)
+    r0 = rows[0]
+    print(f"{r0['num_prompts']} prompts, max {r0['max_tokens']} tokens, temperature {r0['temperature']}, "
+          f"{r0['threads']} threads, batch size 1; tok/s = generated tokens / request wall time (prefill included)")
+    print(format_table(rows), flush=True)
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from specserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(num_threads=args.threads)
+    load_s = time.perf_counter() - t0
+    try:
+        import torch
+
+        dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+        print(f"specserve demo: SmolLM2-135M-Instruct ({dtype}, {torch.get_num_threads()} CPU threads), "
+              f"loaded in {load_s:.1f} s")
+        print(f"\nQ: {DEMO_QUESTION}\nA: ", end="", flush=True)
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_QUESTION}])
+        wall, out = _stream(llm, {"prompt": DEMO_QUESTION, "prompt_token_ids": ids},
+                            SamplingParams(temperature=0.0, max_tokens=96))
+        st = llm.engine.stats
+        n = len(out.outputs[0].token_ids)
+        dec = st["decode_tokens"] / st["decode_s"] if st["decode_s"] > 0 else 0.0
+        print(f"\n{n} tokens in {wall:.2f} s (greedy, finish_reason={out.outputs[0].finish_reason}): "
+              f"decoding {dec:.1f} tok/s, prefill of {st['prefill_tokens']} prompt tokens {st['prefill_s'] * 1000:.0f} ms")
+        print("next: specserve generate --chat --prompt '...'   |   specserve bench --methods none,hf")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)  # bad arguments: argparse prints usage + error, exits 2
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. `specserve generate ... | head`
+        return 0
+    except (CLIError, ValueError, OSError, NotImplementedError) as e:
+        msg = str(e) or type(e).__name__
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{msg}: {e.filename}"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

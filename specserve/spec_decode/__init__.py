@@ -1,0 +1,20 @@
+"""Drafters behind one interface, found by name in a registry (the engine never names one)."""
+
+from __future__ import annotations
+
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.proposer import NoProposer, Proposal, Proposer, ProposeInputs, TreeDraft
+
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
+
+
+def build_proposer(spec) -> Proposer:
+    """``spec``: a ``SpeculativeConfig`` or None."""
+    if spec is None:
+        return NoProposer()
+    if spec.method not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {spec.method!r}; known: {', '.join(sorted(PROPOSERS))}")
+    return PROPOSERS[spec.method](**spec.proposer_kwargs())
+
+
+__all__ = ["PROPOSERS", "build_proposer", "NoProposer", "Proposal", "Proposer", "ProposeInputs", "TreeDraft"]

@@ -1,0 +1,70 @@
+"""The proposer interface every drafter implements (vLLM's shape: ``load_model``, ``propose``,
+``dummy_run``). Plain decoding is the same engine loop with ``NoProposer``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TreeDraft:
+    """A draft tree for one sequence: ``tokens[0]`` is the root (the sequence's last token, not yet in
+    the KV cache) and ``buffers`` (``specserve.sample.tree.TreeBuffers``) its shape."""
+
+    tokens: list[int]
+    buffers: object
+
+
+@dataclass
+class Proposal:
+    """Drafts for a batch. ``chains[b]``: the draft tokens of sequence b (may be empty), or
+    ``trees[b]``: a ``TreeDraft`` (then ``chains[b]`` is ignored). ``draft_probs``: None
+    (deterministic drafts, verified with the one-hot rule) or ``[B, max_k, V]`` float32, the exact
+    distributions the chain drafts were sampled from."""
+
+    chains: list[list[int]]
+    draft_probs: torch.Tensor | None = None
+    trees: list[TreeDraft | None] | None = None
+
+    @property
+    def has_trees(self) -> bool:
+        return bool(self.trees) and any(t is not None for t in self.trees)
+
+
+@dataclass
+class ProposeInputs:
+    """What a proposer may look at: the running sequences and how many drafts each may propose at
+    most. Target features arrive earlier, through ``Proposer.observe``."""
+
+    seqs: list
+    max_drafts: list[int]
+
+
+class Proposer:
+    """Base class. Subclasses set ``name`` and override ``propose``."""
+
+    name = "none"
+    num_speculative_tokens = 0
+    aux_layers: tuple = ()  # target layers whose outputs the proposer reads
+    needs_hidden = False  # whether it reads the target's final hidden state
+
+    def load_model(self, target) -> None:
+        """Attach to the target ``ModelRunner`` (share its embedding/lm_head, read its config)."""
+
+    def observe(self, seq, last_hidden: torch.Tensor | None, aux: list[torch.Tensor], reset: bool) -> None:
+        """Called after every forward that kept positions of ``seq`` in the cache: ``last_hidden`` [d]
+        is the target's final normed hidden state at the last kept position (when ``needs_hidden``);
+        ``aux[i]`` [n, d] the outputs of ``aux_layers[i]`` at the n newly kept positions; ``reset``
+        marks the first prefill chunk of a sequence."""
+
+    def propose(self, inputs: ProposeInputs) -> Proposal:
+        return Proposal([[] for _ in inputs.seqs])
+
+    def dummy_run(self, batch_size: int = 1) -> None:
+        """Warm-up: run the proposer once on placeholder inputs."""
+
+
+class NoProposer(Proposer):
+    """Plain decoding: proposes nothing."""

@@ -1,0 +1,91 @@
+"""The ``specserve`` command driven as a user would: ``python -m specserve ...`` in a subprocess, on the
+real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def specserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_generate_streams_text_and_stats():
+    r = specserve("generate", "--prompt", "Once upon a time", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text on stdout"
+    assert r.stdout.endswith("\n")
+    assert "Traceback" not in r.stderr
+    assert "8 tokens" in r.stderr and "tok/s" in r.stderr and "finish_reason=length" in r.stderr
+
+
+def test_generate_with_ngram_drafts():
+    r = specserve("generate", "--prompt", "1, 2, 3, 4, 5, 6, 7, 8,", "--max-tokens", "12",
+                  "--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert "mean acceptance length" in r.stderr and r.stdout.strip()
+
+
+def test_generate_chat_answers_paris():
+    r = specserve("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["generate", "--model", "/nonexistent/model-dir", "--prompt", "hi"], "/nonexistent/model-dir"),
+    (["bench", "--methods", "none,nope"], "known methods: none, hf, ngram"),
+    (["generate", "--prompt", "hi", "--speculative-method", "nope"], "unknown speculative method 'nope'"),
+])
+def test_user_errors_exit_2_without_traceback(args, expected):
+    r = specserve(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: ") and expected in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_none_hf_ngram_float32(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    r = specserve("bench", "--methods", "none,hf,ngram", "--num-prompts", "2", "--max-tokens", "8", "--dtype",
+                  "float32", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stdout and "ours/hf" in r.stdout
+    rows = json.loads(out.read_text())
+    assert [(row["method"], row["dtype"]) for row in rows] == [("none", "float32"), ("hf", "float32"),
+                                                                 ("ngram", "float32")]
+    ngram = rows.pop()
+    assert ngram["identical_to_none"] is True and ngram["mean_acceptance_length"] >= 1.0
+    assert ngram["num_draft_tokens"] > 0 and len(ngram["acceptance_rate_per_position"]) <= 5
+    for row in rows:
+        for key in ("tokens_per_s", "speedup_vs_none", "num_prompts", "max_tokens", "temperature", "generated_tokens",
+                    "identical_to_none", "mean_acceptance_length", "acceptance_rate_per_position"):
+            assert key in row, key
+        assert row["num_prompts"] == 2 and row["max_tokens"] == 8 and row["temperature"] == 0.0
+        assert 0 < row["generated_tokens"] <= 16 and row["tokens_per_s"] > 0
+        assert row["mean_acceptance_length"] == 1.0 and row["acceptance_rate_per_position"] == []
+        assert row["identical_to_none"] is True, row
+    assert rows[0]["speedup_vs_none"] == 1.0
+    assert rows[1]["speedup_vs_none"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], rel=1e-3)
+
+
+def test_convert_default_gguf(tmp_path):
+    from specserve.models.loader import default_gguf_path
+
+    out = tmp_path / "hf"
+    r = specserve("convert", str(default_gguf_path()), str(out))
+    assert r.returncode == 0, r.stderr
+    assert str(out) in r.stdout
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -1,0 +1,33 @@
+"""Speculative decoding on the real default model: greedy output identical to plain decoding."""
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hi",
+    "List the days of the week: Monday, Tuesday, Wednesday,",
+    "Repeat this sentence twice: the cat sat on the mat.",
+    "Write a Python function that adds two numbers.",
+    "What is the capital of Italy? Answer in one word.",
+    "Count from 1 to 15: 1, 2, 3, 4, 5,",
+    "Tell me a very short story about a robot who learns to paint, and describe the colors it uses.",
+    "a b c d e f g a b c d e f g a b c",
+]
+
+
+def test_ngram_greedy_identical_to_plain(default_llm_fp32):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = default_llm_fp32.generate(PROMPTS, params, use_tqdm=False)
+    spec = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    out = spec.generate(PROMPTS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, plain, out):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+        assert b.outputs[0].text == a.outputs[0].text
+    m = spec.get_metrics()
+    assert m["num_accepted_tokens"] > 0 and m["mean_acceptance_length"] > 1.0
+    assert len(m["acceptance_rate_per_position"]) == 5
+    spec.shutdown()

@@ -1,0 +1,176 @@
+"""The speculative engine loop: chains and trees through the real runner are lossless."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.model_runner import ModelRunner
+from specserve.sample.tree import TreeBuffers, verify_tree_greedy
+from specserve.spec_decode import PROPOSERS, Proposal, Proposer, TreeDraft
+from specserve.spec_decode.ngram import ngram_propose
+
+PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+
+
+def test_ngram_propose():
+    ids = torch.tensor([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2])
+    assert ngram_propose(ids, 3, 4, 1) == [3, 7, 8]  # the most recent earlier match of [1, 2]
+    assert ngram_propose(ids, 2, 4, 3) == []  # no earlier [3, 1, 2]... -> nothing at n >= 3
+    assert ngram_propose(torch.tensor([5, 6, 5]), 4, 2, 1) == [6, 5]
+    assert ngram_propose(torch.tensor([5]), 4, 2, 1) == []
+
+
+def chi2_critical(dof: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return dof * (1 - 2 / (9 * dof) + alpha_z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def two_sample_chi2(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, int]:
+    """Chi-square homogeneity statistic of two samples (rare outcomes pooled) and its dof."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=str)
+    bins, rare = [], [0, 0]
+    for k in keys:
+        if a[k] + b[k] >= min_count:
+            bins.append((a[k], b[k]))
+        else:
+            rare[0] += a[k]
+            rare[1] += b[k]
+    if sum(rare):
+        bins.append(tuple(rare))
+    stat = 0.0
+    for x, y in bins:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return stat, len(bins) - 1
+
+
+def sample_prefixes(llm, n, seed0, prompt=PROMPT, k=3):
+    params = [SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=k, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([list(prompt)] * n, params, use_tqdm=False)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+def assert_same_distribution(a: Counter, b: Counter) -> None:
+    """Two-sample chi-square at p = 0.001 on the whole prefix and on each position's marginal."""
+    k = len(next(iter(a)))
+    for view in (lambda t: t, *[(lambda j: lambda t: t[j])(j) for j in range(k)]):
+        ca, cb = Counter(), Counter()
+        for c, src in ((ca, a), (cb, b)):
+            for t, n in src.items():
+                c[view(t)] += n
+        stat, dof = two_sample_chi2(ca, cb)
+        assert stat < chi2_critical(dof), (stat, dof)
+
+
+class OracleTreeProposer(Proposer):
+    """Test drafter: a tree whose *second* branch follows the target's own greedy continuation (from
+    a copy of the target) and whose other branches are random, so that accepted paths skip nodes
+    and the KV compaction is exercised."""
+
+    name = "oracle-tree"
+
+    def __init__(self, num_speculative_tokens=3, model=None, **_):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.oracle = ModelRunner(model, dtype="float32", max_num_seqs=1)
+        # root; children 1 (random), 2 (oracle); 2 -> 3 (oracle), 4 (random); 3 -> 5 (oracle)
+        self.buffers = TreeBuffers.from_parents([-1, 0, 0, 2, 2, 3])
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _greedy(self, ids, n):
+        out = []
+        for _ in range(n):
+            logits = self.oracle.forward(0, [ids + out], [0], "last").logits[0]
+            out.append(int(logits.argmax()))
+        return out
+
+    def propose(self, inputs):
+        trees = []
+        V = self.oracle.config.vocab_size
+        for s, k in zip(inputs.seqs, inputs.max_drafts):
+            if k < 3:
+                trees.append(None)
+                continue
+            g = self._greedy(s.all_ids, 3)
+            r = torch.randint(0, V, (3,), generator=self.gen).tolist()
+            trees.append(TreeDraft([s.output_ids[-1], r[0], g[0], g[1], r[1], g[2]], self.buffers))
+        return Proposal([[] for _ in inputs.seqs], trees=trees)
+
+
+@pytest.fixture
+def oracle_tree_registered():
+    PROPOSERS["oracle-tree"] = OracleTreeProposer
+    yield
+    PROPOSERS.pop("oracle-tree")
+
+
+def test_tree_drafts_greedy_identical_and_accepted(tiny_llama, oracle_tree_registered):
+    prompts = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "oracle-tree", "num_speculative_tokens": 3, "model": str(tiny_llama)})
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    m = llm.get_metrics()
+    # 19 tokens after the prefill: 4 steps accept the whole oracle branch (4 tokens each), the last 3
+    # tokens leave no budget for a 3-deep tree and go one per step: 19 / 7
+    assert m["mean_acceptance_length"] == pytest.approx(19 / 7)
+
+
+def test_tree_compaction_equals_plain_cache(tiny_llama):
+    """After verifying a tree and compacting the accepted path, the cache equals the cache that
+    plainly decoding the accepted tokens builds, and decoding continues with the same logits."""
+    r = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
+    n = len(PROMPT)
+    r.forward(0, [PROMPT[:-1]], [0], "none")
+    ref = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
+    g = []
+    for _ in range(2):
+        g.append(int(ref.forward(0, [PROMPT + g], [0], "last").logits[0].argmax()))
+    buffers = TreeBuffers.from_parents([-1, 0, 0, 2, 1])
+    tokens = [PROMPT[-1], (g[0] + 1) % 257, g[0], g[1], 7]
+    out = r.forward(0, [tokens], [n - 1], "all", tree_mask=[buffers.attn_mask],
+                    positions=[(buffers.depth + n - 1).tolist()]).logits[0]
+    nodes, extra = verify_tree_greedy(torch.tensor(tokens), out, buffers)
+    assert nodes == [0, 2, 3]
+    r.compact(0, [n - 1 + i for i in nodes], n - 1)
+    plain = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
+    plain.forward(0, [PROMPT + g], [0], "none")
+    L = n + 2
+    for layer in range(len(r.kv.k)):
+        assert torch.allclose(r.kv.k[layer][0, :, :L], plain.kv.k[layer][0, :, :L], atol=1e-5)
+        assert torch.allclose(r.kv.v[layer][0, :, :L], plain.kv.v[layer][0, :, :L], atol=1e-5)
+    a = r.forward(0, [[extra]], [L], "last").logits
+    b = plain.forward(0, [[extra]], [L], "last").logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_ngram_distribution_matches_plain_sampling(small_vocab_model):
+    """Temperature 1: the first 4 tokens sampled with n-gram drafting have the distribution of plain
+    sampling (two-sample chi-square over 2,000 seeded samples each)."""
+    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    a = sample_prefixes(plain, 2000, 0, k=4)
+    b = sample_prefixes(spec, 2000, 100_000, k=4)
+    m = spec.get_metrics()
+    assert m["num_draft_tokens"] > 1000 and m["num_accepted_tokens"] > 100  # drafts really were verified
+    assert two_sample_chi2(a, b)[1] >= 10
+    assert_same_distribution(a, b)
+
+
+def test_tree_distribution_matches_plain_sampling(small_vocab_model, oracle_tree_registered):
+    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+               speculative_config={"method": "oracle-tree", "num_speculative_tokens": 3,
+                                   "model": str(small_vocab_model)})
+    # 5 tokens: the first comes from the prefill, the next step verifies a 3-deep tree
+    a = sample_prefixes(plain, 2000, 0, k=5)
+    b = sample_prefixes(spec, 2000, 100_000, k=5)
+    assert spec.get_metrics()["num_accepted_tokens"] > 500
+    assert_same_distribution(a, b)
