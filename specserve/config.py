@@ -197,7 +197,7 @@ class SpeculativeConfig:
     by that drafter."""
 
     method: str
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # None: the drafter's default (ngram 5, medusa its heads)
     model: str | None = None
     options: dict = field(default_factory=dict)
 
@@ -210,14 +210,17 @@ class SpeculativeConfig:
         d = dict(d)
         if "method" not in d:
             raise ValueError("speculative_config needs a 'method' (e.g. 'ngram')")
-        c = cls(method=str(d.pop("method")), num_speculative_tokens=int(d.pop("num_speculative_tokens", 5)),
+        k = d.pop("num_speculative_tokens", None)
+        c = cls(method=str(d.pop("method")), num_speculative_tokens=None if k is None else int(k),
                 model=d.pop("model", None), options=d)
-        if not (1 <= c.num_speculative_tokens <= 32):
+        if c.num_speculative_tokens is not None and not (1 <= c.num_speculative_tokens <= 32):
             raise ValueError(f"num_speculative_tokens must be in 1..32, got {c.num_speculative_tokens}")
         return c
 
     def proposer_kwargs(self) -> dict:
-        kw = dict(self.options, num_speculative_tokens=self.num_speculative_tokens)
+        kw = dict(self.options)
+        if self.num_speculative_tokens is not None:
+            kw["num_speculative_tokens"] = self.num_speculative_tokens
         if self.model is not None:
             kw["model"] = self.model
         return kw

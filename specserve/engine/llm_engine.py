@@ -22,10 +22,15 @@ from specserve.engine.sequence import Sequence, Status
 from specserve.models.loader import resolve_model_dir
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
-from specserve.sample.tree import verify_tree_greedy, verify_tree_sample
-from specserve.spec_decode import Proposal, ProposeInputs, build_proposer
+from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_sample
+from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.tokenizer import Tokenizer
+
+
+def path_tree(k: int) -> TreeBuffers:
+    """A chain of k drafts as a tree (root + a path of k nodes)."""
+    return TreeBuffers.from_parents([-1] + list(range(k)))
 
 
 class LLMEngine:
@@ -89,14 +94,15 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Admit and prefill what fits, then decode the running batch once. Returns the sequences
         that changed in this step (new tokens or finished)."""
-        touched = []
+        admitted = []
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting.popleft()
             seq.slot = len(self.running)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._prefill(seq)
-            touched.append(seq)
+            admitted.append(seq)
+        self._prefill(admitted)
+        touched = list(admitted)
         self._free_finished()
         if self.running:
             touched.extend(s for s in self.running if s not in touched)
@@ -105,23 +111,37 @@ class LLMEngine:
         self.stats["steps"] += 1
         return touched
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Prefill newly admitted sequences (consecutive slots): short prompts together in one
+        forward (up to ``prefill_chunk`` tokens), long ones alone in chunks. Each gets its first token."""
         t0 = time.perf_counter()
-        ids = seq.prompt_ids
         chunk = self.cfg.prefill_chunk
-        out = None
-        for start in range(0, len(ids), chunk):
-            piece = ids[start : start + chunk]
-            last = start + chunk >= len(ids)
-            out = self.runner.forward(seq.slot, [piece], [start], "last" if last else "none",
-                                      aux_layers=self.proposer.aux_layers, return_hidden=self.proposer.needs_hidden)
-            if out.aux or out.hidden is not None:
-                self.proposer.observe(seq, out.hidden[0] if out.hidden is not None else None,
-                                      [a[0, : len(piece)] for a in out.aux], reset=start == 0)
-        seq.num_computed = len(ids)
-        token = sample(out.logits, SamplingBatch.build([seq.params], [seq.generator]))
-        seq.append_tokens(token.tolist())
-        self.stats["prefill_tokens"] += len(ids)
+        groups, cur = [], []
+        for s in seqs:
+            if cur and (sum(len(x.prompt_ids) for x in cur) + len(s.prompt_ids) > chunk or len(s.prompt_ids) > chunk):
+                groups.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
+            groups.append(cur)
+        for group in groups:
+            out = None
+            longest = max(len(s.prompt_ids) for s in group)
+            for start in range(0, longest, chunk):  # one pass for a group of short prompts
+                pieces = [s.prompt_ids[start : start + chunk] for s in group]
+                last = start + chunk >= longest
+                out = self.runner.forward(group[0].slot, pieces, [start] * len(group), "last" if last else "none",
+                                          aux_layers=self.proposer.aux_layers,
+                                          return_hidden=self.proposer.needs_hidden and last)
+                if out.aux or out.hidden is not None:
+                    for i, (s, piece) in enumerate(zip(group, pieces)):
+                        self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
+                                              [a[i, : len(piece)] for a in out.aux], reset=start == 0)
+            tokens = sample(out.logits, SamplingBatch.build([s.params for s in group], [s.generator for s in group]))
+            for s, t in zip(group, tokens.tolist()):
+                s.num_computed = len(s.prompt_ids)
+                s.append_tokens([t])
+                self.stats["prefill_tokens"] += len(s.prompt_ids)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
     def _draft_budget(self, s: Sequence) -> int:
@@ -141,6 +161,10 @@ class LLMEngine:
             prop = Proposal([[] for _ in seqs])
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
         trees = prop.trees if prop.has_trees else [None] * len(seqs)
+        if self.proposer.lossy_verify is not None:  # opt-in lossy acceptance: every random row as a tree
+            trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c, path_tree(len(c)))
+                     for s, c, t in zip(seqs, chains, trees)]
+            prop = Proposal(chains, prop.draft_probs, trees)
         starts = [s.num_computed for s in seqs]
         tokens, masks, positions = [], [], []
         for s, c, t, st in zip(seqs, chains, trees, starts):
@@ -193,6 +217,8 @@ class LLMEngine:
             tok = torch.tensor(t.tokens, dtype=torch.long)
             if s.params.greedy:
                 nodes, extra = verify_tree_greedy(tok, logits[b, :n], t.buffers)
+            elif self.proposer.lossy_verify is not None:
+                nodes, extra = self.proposer.lossy_verify(t.tokens, logits[b, :n], t.buffers, s.params, s.generator)
             else:
                 nodes, extra = verify_tree_sample(tok, logits[b, :n], t.buffers, sb.subset([b]), s.generator)
             if nodes != list(range(len(nodes))):  # keep the accepted path's K/V, contiguous
@@ -210,6 +236,7 @@ class LLMEngine:
             if not s.finished:
                 i += 1
                 continue
+            self.proposer.forget(s)
             last = self.running.pop()
             if last is not s:
                 self.runner.move_slot(last.slot, s.slot, last.num_computed)

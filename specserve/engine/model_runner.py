@@ -54,6 +54,7 @@ class ModelRunner:
     def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
                  pack_weights: bool = True):
         model_dir = Path(model_dir)
+        self.model_dir = model_dir
         self.tp = tp or TPGroup()
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
@@ -196,6 +197,7 @@ class TPRunner:
             self.shutdown()
             raise
         self.config, self.dtype, self.tp = self.local.config, self.local.dtype, self.local.tp
+        self.model_dir = self.local.model_dir
 
     def _call(self, name, *args, **kwargs):
         for c in self.conns:

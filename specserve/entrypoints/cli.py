@@ -1,4 +1,4 @@
-"""The ``specserve`` command: ``generate``, ``convert``, ``bench`` and ``demo``.
+"""The ``specserve`` command: ``generate``, ``convert``, ``bench``, ``demo`` and ``train``.
 
 Errors a user can fix (a missing model path, a bad argument, a value the engine rejects) print
 ``error: <message>`` to stderr and exit with status 2, without a traceback."""
@@ -108,7 +108,55 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="stream a short chat answer from the default model and report tokens/s")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("train", help="train a drafter on the target's own outputs",
+                       description="Train a drafter for speculative decoding on the target's own outputs "
+                                   "(self-distillation).")
+    tsub = t.add_subparsers(dest="trainer", metavar="DRAFTER")
+    tsub.required = True
+    _add_train_medusa_parser(tsub)
     return parser
+
+
+def _add_train_medusa_parser(tsub) -> None:
+    m = tsub.add_parser(
+        "medusa", help="Medusa-1 heads on the frozen target",
+        description="Train Medusa heads (Medusa-1: the target stays frozen). The target answers the prompts "
+                    "itself, its final hidden states are computed once, then the heads learn to predict the "
+                    "tokens 2, 3, ... positions ahead. Writes config.json, medusa.safetensors and README.md "
+                    "to --out and reports per-head accuracy on held-out prompts.")
+    _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
+                       "(hidden states are always computed in float32)")
+    m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    m.add_argument("--num-heads", type=_positive_int, default=4, help="Medusa heads K (default 4)")
+    m.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
+    m.add_argument("--own-lm-head", action="store_true",
+                   help="give each head its own trainable lm_head (initialised from the target's); "
+                        "default: share the target's frozen lm_head")
+    m.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
+                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
+    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
+    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
+                   help="held-out prompts to evaluate on (default max(8, num_prompts/10))")
+    m.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="response tokens per prompt at most (default 128)")
+    m.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the self-distillation (default 0 = greedy)")
+    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
+    m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the positions (default 2)")
+    m.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
+    m.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of the steps (default 0.1)")
+    m.add_argument("--batch-size", type=_positive_int, default=256, help="positions per step (default 256)")
+    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
+                   help="requests generated together during self-distillation (default 16)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    m.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where generated sequences and hidden states are cached "
+                        "(default ~/.cache/specserve/train)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    m.set_defaults(func=cmd_train_medusa)
 
 
 def _version() -> str:
@@ -218,10 +266,39 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train_medusa(args) -> int:
+    import shlex
+
+    from specserve.train.medusa import MedusaTrainArgs, train_medusa
+
+    targs = MedusaTrainArgs(
+        out=args.out, model=args.model, num_heads=args.num_heads, num_layers=args.num_layers,
+        own_lm_head=args.own_lm_head, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+        epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
+        threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size,
+        gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress)
+    argv = getattr(args, "_argv", None)
+    command = "specserve " + shlex.join(argv) if argv is not None else None
+    res = train_medusa(targs, command=command)
+    ev, zero, tm = res["heldout"], res["heldout_zero_init"], res["timings"]
+    print(f"wrote Medusa heads ({res['config']['num_heads']} heads x {res['config']['num_layers']} layer(s)) "
+          f"to {res['out']} (config.json, medusa.safetensors, README.md)")
+    print(f"time: {tm['total_s']:.0f} s (" + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in tm.items()
+                                                    if k != "total_s") + ")")
+    print(f"held-out accuracy on {res['meta']['heldout_prompts']} prompts ({res['meta']['heldout_positions']} "
+          f"positions); head k predicts token t+k+2:")
+    for k in range(len(ev["top1"])):
+        print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}  (zero init top-1 "
+              f"{zero['top1'][k]:.3f})")
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)  # bad arguments: argparse prints usage + error, exits 2
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `specserve generate ... | head`

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from specserve.spec_decode.medusa import MedusaProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import NoProposer, Proposal, Proposer, ProposeInputs, TreeDraft
 
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer}
 
 
 def build_proposer(spec) -> Proposer:
@@ -14,7 +15,10 @@ def build_proposer(spec) -> Proposer:
         return NoProposer()
     if spec.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {spec.method!r}; known: {', '.join(sorted(PROPOSERS))}")
-    return PROPOSERS[spec.method](**spec.proposer_kwargs())
+    try:
+        return PROPOSERS[spec.method](**spec.proposer_kwargs())
+    except TypeError as e:  # an option the drafter does not take
+        raise ValueError(f"speculative_config for {spec.method!r}: {e}") from None
 
 
 __all__ = ["PROPOSERS", "build_proposer", "NoProposer", "Proposal", "Proposer", "ProposeInputs", "TreeDraft"]

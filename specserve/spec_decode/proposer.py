@@ -49,6 +49,9 @@ class Proposer:
     num_speculative_tokens = 0
     aux_layers: tuple = ()  # target layers whose outputs the proposer reads
     needs_hidden = False  # whether it reads the target's final hidden state
+    # an opt-in LOSSY acceptance rule (tokens, logits, tree, params, generator) -> (nodes, extra),
+    # used instead of exact verification for random rows; None = lossless verification
+    lossy_verify = None
 
     def load_model(self, target) -> None:
         """Attach to the target ``ModelRunner`` (share its embedding/lm_head, read its config)."""
@@ -58,6 +61,9 @@ class Proposer:
         is the target's final normed hidden state at the last kept position (when ``needs_hidden``);
         ``aux[i]`` [n, d] the outputs of ``aux_layers[i]`` at the n newly kept positions; ``reset``
         marks the first prefill chunk of a sequence."""
+
+    def forget(self, seq) -> None:
+        """``seq`` finished: drop any state kept for it."""
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         return Proposal([[] for _ in inputs.seqs])

@@ -64,7 +64,8 @@ def assert_same_distribution(a: Counter, b: Counter) -> None:
             for t, n in src.items():
                 c[view(t)] += n
         stat, dof = two_sample_chi2(ca, cb)
-        assert stat < chi2_critical(dof), (stat, dof)
+        if dof:  # a view whose outcomes are all rare pools into one bin: nothing to compare
+            assert stat < chi2_critical(dof), (stat, dof)
 
 
 class OracleTreeProposer(Proposer):

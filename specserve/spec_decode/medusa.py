@@ -1,0 +1,274 @@
+"""Medusa drafting: chain (argmax of each head, vLLM style) or tree (top-k of each head arranged as a
+Medusa tree, verified with tree attention). Both verify losslessly by default; Medusa's "typical
+acceptance" is available opt-in and is lossy.
+
+speculative_config keys: ``model`` (a Medusa checkpoint; default: the heads shipped for the default
+model), ``num_speculative_tokens`` (chain length, <= the number of heads), ``medusa_tree``: None
+(chain), ``"auto"`` (tree size chosen from a step-cost curve measured on this device at start-up),
+an int (a tree of that many nodes) or a list of Medusa rank paths; ``medusa_topk`` (candidates per
+head, default 10); ``acceptance``: ``"exact"`` (default, lossless) or ``"typical"`` (lossy) with
+``posterior_threshold`` (epsilon, default 0.09) and ``posterior_alpha`` (delta, default 0.3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.layers.embed_head import ParallelLMHead
+from specserve.sample.tree import TreeBuffers, tree_tokens_from_candidates
+from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
+
+log = logging.getLogger("specserve.medusa")
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "medusa-smollm2-135m"
+TREE_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def default_head_accuracy(num_heads: int, topk: int) -> list[list[float]]:
+    """Prior P(rank r of head h is the right token) when a checkpoint records none: roughly the
+    Vicuna-7B figures of the Medusa repo (top-1 0.56, 0.32, 0.20, 0.15, ...; top-5 0.78, 0.56, ...)."""
+    top1 = [0.56 * 0.6**h for h in range(num_heads)]
+    return [[t * 0.45**r for r in range(topk)] for t in top1]
+
+
+def greedy_tree(acc: list[list[float]], size: int) -> list[list[int]]:
+    """The ``size``-node Medusa tree (root excluded) that maximises expected accepted length, built
+    greedily: keep adding the rank path with the largest product of per-depth accuracies whose
+    parent path is already in the tree. ``acc[h][r]``: P(head h's rank-r token is right)."""
+    paths: list[tuple[int, ...]] = []
+    frontier = {(r,): acc[0][r] for r in range(len(acc[0]))}
+    while len(paths) < size and frontier:
+        best = max(frontier, key=lambda p: (frontier[p], -len(p)))
+        score = frontier.pop(best)
+        paths.append(best)
+        d = len(best)
+        if d < len(acc):
+            for r in range(len(acc[d])):
+                frontier[best + (r,)] = score * acc[d][r]
+    return [list(p) for p in paths]
+
+
+def expected_tokens(paths: list[list[int]], acc: list[list[float]]) -> float:
+    """Expected tokens per step of a tree: 1 (the target's own token) + sum over nodes of P(path)."""
+    total = 1.0
+    for p in paths:
+        total += math.prod(acc[d][r] for d, r in enumerate(p))
+    return total
+
+
+class MedusaProposer(Proposer):
+    name = "medusa"
+    needs_hidden = True
+
+    def __init__(self, num_speculative_tokens: int | None = None, model: str | None = None, medusa_tree=None,
+                 medusa_topk: int = 10, acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
+        if not 1 <= medusa_topk <= 64:
+            raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
+        self.requested_k = num_speculative_tokens
+        self.model_path = Path(model) if model else SHIPPED_DIR
+        self.tree_spec = medusa_tree
+        self.topk = medusa_topk
+        self.acceptance = acceptance
+        self.posterior_threshold = posterior_threshold
+        self.posterior_alpha = posterior_alpha
+        self.tree: TreeBuffers | None = None
+        self._hidden: dict[int, torch.Tensor] = {}
+        if acceptance == "typical":
+            self.lossy_verify = self._typical
+            log.warning("Medusa typical acceptance is LOSSY: outputs no longer follow the target distribution "
+                        "exactly (use acceptance='exact' for lossless decoding)")
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def load_model(self, target) -> None:
+        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+
+        tcfg = target.config
+        if not self.model_path.exists():
+            raise FileNotFoundError(f"Medusa checkpoint not found: {self.model_path}")
+        cfg, sd = load_medusa_checkpoint(self.model_path, tcfg.hidden_size, tcfg.vocab_size)
+        self.cfg: MedusaConfig = cfg
+        self.heads = MedusaHeads(cfg, target.tp, dtype=target.dtype)
+        self.heads.load_state(sd)
+        self.heads.eval().requires_grad_(False)
+        self.target = target
+        self.lm_head: ParallelLMHead = target.model.lm_head
+        if cfg.shared_lm_head and self.lm_head.tp_size > 1:
+            # heads are small and replicated: give them a full copy of the lm_head, never a gather
+            full = ParallelLMHead(tcfg.vocab_size, tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
+            full.weight_loader(full.weight, _full_lm_head_weight(target))
+            self.lm_head = full
+        k = self.requested_k or cfg.num_heads
+        if k > cfg.num_heads:
+            raise ValueError(f"num_speculative_tokens ({k}) exceeds the checkpoint's {cfg.num_heads} Medusa heads")
+        self.num_speculative_tokens = k
+        self.accuracy = self._head_accuracy()
+        self.tree = self._build_tree(target)
+
+    def _head_accuracy(self) -> list[list[float]]:
+        """P(rank r of head h is right) from the checkpoint's recorded top-k accuracies, else a prior."""
+        meta = {}
+        if (self.model_path / "config.json").exists():
+            meta = json.loads((self.model_path / "config.json").read_text())
+        topk_acc = meta.get("heldout_topk_accuracy")  # [K][k]: cumulative top-(r+1) accuracy
+        if topk_acc and len(topk_acc) >= self.cfg.num_heads:
+            out = []
+            for h in range(self.cfg.num_heads):
+                cum = list(topk_acc[h])[: self.topk]
+                per = [max(1e-4, cum[0])] + [max(1e-4, cum[r] - cum[r - 1]) for r in range(1, len(cum))]
+                per += [per[-1] * 0.5 ** (i + 1) for i in range(self.topk - len(per))]
+                out.append(per)
+            return out
+        return default_head_accuracy(self.cfg.num_heads, self.topk)
+
+    def _build_tree(self, target) -> TreeBuffers | None:
+        spec = self.tree_spec
+        if spec is None or spec is False:
+            return None
+        acc = self.accuracy[: self.num_speculative_tokens]
+        if isinstance(spec, (list, tuple)):
+            paths = [list(p) for p in spec]
+            depth = max(len(p) for p in paths)
+            if depth > self.cfg.num_heads:
+                raise ValueError(f"medusa_tree has depth {depth} but the checkpoint has {self.cfg.num_heads} heads")
+        elif spec == "auto":
+            paths = self._auto_tree(target, acc)
+        elif isinstance(spec, int) and spec >= 1:
+            paths = greedy_tree(acc, spec)
+        else:
+            raise ValueError(f"medusa_tree must be None, 'auto', a node count or a list of rank paths; got {spec!r}")
+        if paths is None:
+            return None
+        tree = TreeBuffers.from_rank_paths(paths, topk=self.topk)
+        self.num_speculative_tokens = tree.max_depth
+        log.info("Medusa tree: %d nodes, depth %d", tree.num_nodes - 1, tree.max_depth)
+        return tree
+
+    def _auto_tree(self, target, acc):
+        """Choose the tree size from the measured cost of verifying N tokens on this device: the size
+        maximising expected tokens per second. None means a chain beats every tree."""
+        cost = measure_step_costs(target, [1] + [n + 1 for n in TREE_SIZES])
+        self.step_costs = cost
+        chain_k = self.num_speculative_tokens
+        chain = [[0] * (d + 1) for d in range(chain_k)]
+        best = (expected_tokens(chain, acc) / _interp(cost, chain_k + 1), None)
+        for n in TREE_SIZES:
+            paths = greedy_tree(acc, n)
+            rate = expected_tokens(paths, acc) / _interp(cost, n + 1)
+            if rate > best[0]:
+                best = (rate, paths)
+        self.auto_choice = "chain" if best[1] is None else f"tree of {len(best[1])} nodes"
+        log.info("Medusa auto: %s (step costs %s)", self.auto_choice, {k: round(v * 1e3, 1) for k, v in cost.items()})
+        return best[1]
+
+    def _typical(self, tokens, logits, tree, params, generator):
+        return verify_typical(tokens, logits, tree, params.temperature, generator, self.posterior_threshold,
+                              self.posterior_alpha)
+
+    def dummy_run(self, batch_size: int = 1) -> None:
+        d = self.cfg.hidden_size
+        with torch.inference_mode():
+            self.heads.logits(torch.zeros(batch_size, d, dtype=self.target.dtype), self.lm_head)
+
+    # ---- per step -------------------------------------------------------------------------------
+    def observe(self, seq, last_hidden, aux, reset) -> None:
+        if last_hidden is not None:
+            self._hidden[seq.seq_id] = last_hidden
+
+    def forget(self, seq) -> None:
+        self._hidden.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, inputs: ProposeInputs) -> Proposal:
+        seqs = inputs.seqs
+        hidden = torch.stack([self._hidden[s.seq_id] for s in seqs])
+        logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V]
+        if self.tree is None:
+            drafts = logits[:, : self.num_speculative_tokens].argmax(-1).tolist()
+            return Proposal([d[:m] for d, m in zip(drafts, inputs.max_drafts)])
+        K = self.tree.max_depth
+        top = logits[:, :K].topk(self.topk, dim=-1).indices  # [B, K, topk]
+        trees, chains = [], []
+        for b, (s, m) in enumerate(zip(seqs, inputs.max_drafts)):
+            if m < K:  # near max_tokens: a short chain instead of the whole tree
+                trees.append(None)
+                chains.append(top[b, :m, 0].tolist())
+                continue
+            toks = tree_tokens_from_candidates(s.output_ids[-1], top[b], self.tree).tolist()
+            trees.append(TreeDraft(toks, self.tree))
+            chains.append([])
+        return Proposal(chains, trees=trees)
+
+
+def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, temperature: float,
+                   generator: torch.Generator, eps: float, delta: float) -> tuple[list[int], int]:
+    """Medusa's typical acceptance (LOSSY): a node is accepted when its token's probability under
+    the target at its parent exceeds ``min(eps, delta * exp(-H(parent)))`` and its parent was
+    accepted; the deepest accepted node wins (ties: the larger sum of log-probabilities); the extra
+    token is sampled from the target at that node."""
+    p = (logits.float() / max(temperature, 1e-5)).softmax(-1)
+    ent = -(p * p.clamp_min(1e-20).log()).sum(-1)
+    thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent)).tolist()
+    logp = p.clamp_min(1e-20).log()
+    ok, score = [True], [0.0]
+    best = 0
+    for i in range(1, tree.num_nodes):
+        par = tree.parents[i]
+        pi = float(p[par, tokens[i]])
+        ok.append(ok[par] and pi > thresh[par])
+        score.append(score[par] + float(logp[par, tokens[i]]))
+        if ok[i] and (tree._depth_list[i], score[i]) > (tree._depth_list[best], score[best]):
+            best = i
+    noise = torch.empty(p.shape[-1]).exponential_(generator=generator)
+    return tree.path_to(best), int((p[best] / noise).argmax())
+
+
+def _interp(cost: dict[int, float], n: int) -> float:
+    ks = sorted(cost)
+    if n <= ks[0]:
+        return cost[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if a <= n <= b:
+            return cost[a] + (cost[b] - cost[a]) * (n - a) / (b - a)
+    return cost[ks[-1]] * n / ks[-1]
+
+
+def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
+    """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
+    (median of ``reps``), measured on the running device in slot 0 before any request runs."""
+    ctx = 128
+    target.forward(0, [[0] * ctx], [0], "none")
+    out = {}
+    for n in sizes:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.forward(0, [[0] * n], [ctx], "all")
+            ts.append(time.perf_counter() - t0)
+        out[n] = sorted(ts)[len(ts) // 2]
+    # a cost curve must not decrease with n (noise): make it monotonic
+    run = 0.0
+    for n in sorted(out):
+        run = max(run, out[n])
+        out[n] = run
+    return out
+
+
+def _full_lm_head_weight(target) -> torch.Tensor:
+    """The target's full (unsharded) lm_head weight, read from its checkpoint."""
+    from specserve.models.loader import iter_safetensors
+
+    name = "model.embed_tokens.weight" if target.config.tie_word_embeddings else "lm_head.weight"
+    for n, t in iter_safetensors(target.model_dir):
+        if n == name:
+            return t
+    raise ValueError(f"{name} not found in the target checkpoint")

@@ -1,0 +1,150 @@
+"""Medusa heads: K heads on the target's last hidden state (after the final norm); head k predicts
+token t+k+1. Each head is a stack of L residual blocks ``x + SiLU(W x + b)`` (a real ModuleList, no
+weight tying) followed by its own vocab projection, or by the target's own ``lm_head`` when the
+checkpoint shares it (Medusa "v2" / vLLM ``original_lm_head``).
+
+The heads are small next to the cost of a collective, so under tensor parallelism they are
+replicated on every rank: an own head is ``ParallelLMHead(..., disable_tp=True)`` (full vocabulary,
+no gather); only a shared head goes through the target's sharded ``lm_head``.
+
+Our checkpoint format (``specserve-medusa``): a directory with ``config.json``::
+
+    {"format": "specserve-medusa", "num_heads": K, "num_layers": L, "hidden_size": d,
+     "vocab_size": V, "shared_lm_head": bool, "bias": bool, "base_model": "..."}
+
+and ``medusa.safetensors`` with ``blocks.{h}.{l}.weight`` [d, d], ``blocks.{h}.{l}.bias`` [d] (when
+``bias``) and, unless shared, ``lm_heads.{h}.weight`` [V, d]. Other formats (FasterDecoding, vLLM,
+Medusa-2 full checkpoints) are converted to these names by ``specserve.spec_decode.medusa_formats``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import TPGroup
+from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
+
+FORMAT = "specserve-medusa"
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    shared_lm_head: bool = True
+    bias: bool = True
+    base_model: str | None = None
+
+    def validate(self) -> None:
+        if not (1 <= self.num_heads <= 32):
+            raise ValueError(f"medusa num_heads must be in 1..32, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"medusa num_layers must be >= 0, got {self.num_layers}")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+
+class ResBlock(nn.Module):
+    def __init__(self, d: int, bias: bool, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d, d, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(d, dtype=dtype)) if bias else None
+
+    def forward(self, x):
+        return x + F.silu(F.linear(x, self.weight, self.bias))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, cfg: MedusaConfig, tp: TPGroup | None = None, dtype=torch.float32):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(ResBlock(cfg.hidden_size, cfg.bias, dtype) for _ in range(cfg.num_layers))
+            for _ in range(cfg.num_heads)
+        )
+        self.lm_heads = None
+        if not cfg.shared_lm_head:  # replicated on every rank: full vocab, no gather
+            self.lm_heads = nn.ModuleList(
+                ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, disable_tp=True, dtype=dtype)
+                for _ in range(cfg.num_heads)
+            )
+        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> [N, K, d]: each head's residual stack applied to the target state."""
+        outs = []
+        for blocks in self.blocks:
+            x = hidden
+            for blk in blocks:
+                x = blk(x)
+            outs.append(x)
+        return torch.stack(outs, dim=1)
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: ParallelLMHead | None = None) -> torch.Tensor:
+        """hidden [N, d] -> logits [N, K, V] (float32)."""
+        states = self.head_states(hidden)
+        if self.lm_heads is None:
+            if target_lm_head is None:
+                raise ValueError("these Medusa heads share the target's lm_head; pass it")
+            return self.logits_processor(target_lm_head, states).float()
+        return torch.stack([self.logits_processor(h, states[:, i]) for i, h in enumerate(self.lm_heads)], 1).float()
+
+    # ---- our format -------------------------------------------------------------------------------
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        sd = {}
+        for h, blocks in enumerate(self.blocks):
+            for l, blk in enumerate(blocks):
+                sd[f"blocks.{h}.{l}.weight"] = blk.weight.detach()
+                if blk.bias is not None:
+                    sd[f"blocks.{h}.{l}.bias"] = blk.bias.detach()
+        if self.lm_heads is not None:
+            for h, head in enumerate(self.lm_heads):
+                sd[f"lm_heads.{h}.weight"] = head.weight.detach()
+        return sd
+
+    def load_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load our names; every tensor must be present with its exact shape (errors name it)."""
+        from specserve.models.loader import CheckpointError
+
+        want = {}
+        for h, blocks in enumerate(self.blocks):
+            for l, blk in enumerate(blocks):
+                want[f"blocks.{h}.{l}.weight"] = blk.weight
+                if blk.bias is not None:
+                    want[f"blocks.{h}.{l}.bias"] = blk.bias
+        if self.lm_heads is not None:
+            for h, head in enumerate(self.lm_heads):
+                want[f"lm_heads.{h}.weight"] = head.weight
+        missing = sorted(set(want) - set(sd))
+        if missing:
+            raise CheckpointError(f"Medusa checkpoint is missing {', '.join(missing[:6])}")
+        unexpected = sorted(set(sd) - set(want))
+        if unexpected:
+            raise CheckpointError(f"Medusa checkpoint has unexpected tensors {', '.join(unexpected[:6])}")
+        for name, p in want.items():
+            t = sd[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"Medusa tensor {name!r}: checkpoint shape {tuple(t.shape)}, "
+                                      f"expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t)
+
+    def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_config: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.to(dtype).contiguous() for k, v in self.state_for_save().items()},
+                  str(out / "medusa.safetensors"))
+        (out / "config.json").write_text(json.dumps({**self.cfg.to_json(), **(extra_config or {})}, indent=2))
+        return out

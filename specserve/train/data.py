@@ -1,0 +1,249 @@
+"""Training data for draft models: prompts, and the target's own responses to them (self-distillation).
+
+Prompts
+-------
+``load_prompts`` reads the ``chitchat-dataset`` package (7,168 open-domain chat conversations,
+``chitchat_dataset/dataset.json``: ``{conversation_id: {"messages": [turn, ...], "prompt": topic, ...}}``,
+where a turn is a list of consecutive utterances ``{"sender", "text", "timestamp"}`` by one speaker).
+
+One prompt per conversation, a single user message: the **first substantive turn**, i.e. the first of
+the conversation's first ``SEARCH_TURNS`` turns whose utterances, joined with spaces, have at least
+``MIN_WORDS`` words. Most conversations open with "Hello?" / "Hi!", which would make hundreds of
+identical, uninformative prompts; the first substantive turn is varied, conversational text. When no
+early turn is long enough the conversation's topic question (``"prompt"``) is used, else its longest
+early turn. The chat template of the target is applied later, by ``self_distill``.
+
+Held-out split: a conversation is held out when ``sha256(conversation_id)`` falls in the first
+``HELDOUT_FRACTION`` (10%) of the hash range. The split depends on nothing else (not on ``seed`` or
+``n``), so training never sees a benchmark prompt. ``seed`` only orders each split before the first
+``n`` are taken.
+
+``read_prompts_file`` reads a user's file instead: JSONL with a "prompt" field per line, or plain text
+with one prompt per line; ``split_prompts`` splits such a list with the same hash rule (on the text).
+
+Self-distillation
+-----------------
+``self_distill(llm, prompts, max_tokens, temperature, batch_size)`` lets the target write the responses
+(through its chat template) and returns ``[{"prompt", "ids", "prompt_len"}]`` with ``ids`` = prompt ids +
+response ids. Results are cached (``torch.save``) under a key of every argument that changes them, so a
+rerun skips generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+HELDOUT_FRACTION = 0.10
+MIN_WORDS = 6
+SEARCH_TURNS = 6
+DATASET_PACKAGE = "chitchat_dataset"
+
+
+class DataError(ValueError):
+    """A problem with the training data (reported by the CLI as ``error: ...``)."""
+
+
+# ---- split ------------------------------------------------------------------------------------------
+def _hash_unit(key: str) -> float:
+    """A deterministic number in [0, 1) from ``key`` (the same on every machine and Python run)."""
+    return int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:15], 16) / 16**15
+
+
+def is_heldout(key: str, fraction: float = HELDOUT_FRACTION) -> bool:
+    return _hash_unit(key) < fraction
+
+
+# ---- chitchat ---------------------------------------------------------------------------------------
+def chitchat_path() -> Path:
+    spec = importlib.util.find_spec(DATASET_PACKAGE)  # locate only
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the chitchat dataset is not installed: pip install chitchat-dataset==0.9.0 "
+                        "(or pass --prompts FILE)")
+    p = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
+    if not p.exists():
+        raise DataError(f"{p} not found in the chitchat-dataset package")
+    return p
+
+
+_CONVERSATIONS: dict | None = None
+
+
+def load_conversations() -> dict:
+    """``{conversation_id: conversation}`` from the chitchat package (parsed once per process)."""
+    global _CONVERSATIONS
+    if _CONVERSATIONS is None:
+        _CONVERSATIONS = json.loads(chitchat_path().read_text(encoding="utf-8"))
+    return _CONVERSATIONS
+
+
+def _turn_text(turn) -> str:
+    return " ".join(" ".join(str(u.get("text", "")).split()) for u in turn if isinstance(u, dict)).strip()
+
+
+def conversation_prompt(conv: dict) -> str | None:
+    """The user message made from one conversation (see the module docstring); None if it has no text."""
+    turns = [t for t in (_turn_text(turn) for turn in (conv.get("messages") or [])[:SEARCH_TURNS]) if t]
+    for t in turns:
+        if len(t.split()) >= MIN_WORDS:
+            return t
+    topic = (conv.get("prompt") or "").strip()
+    if topic:
+        return topic
+    return max(turns, key=lambda t: len(t.split())) if turns else None
+
+
+def load_prompt_records(split: str = "train", n: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """``[(conversation_id, prompt)]`` of one split, ordered by ``seed``, the first ``n`` (all if None)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    convs = load_conversations()
+    want_heldout = split == "heldout"
+    recs = []
+    for cid in sorted(convs):
+        if is_heldout(cid) != want_heldout:
+            continue
+        p = conversation_prompt(convs[cid])
+        if p:
+            recs.append((cid, p))
+    random.Random(seed).shuffle(recs)
+    return recs if n is None else recs[:n]
+
+
+def load_prompts(split: str = "train", n: int | None = None, seed: int = 0) -> list[str]:
+    """Chat prompts (user messages) from chitchat: ``split`` "train" (~90%) or "heldout" (~10%)."""
+    return [p for _, p in load_prompt_records(split, n, seed)]
+
+
+# ---- a user's prompts file --------------------------------------------------------------------------
+def read_prompts_file(path: str | os.PathLike) -> list[str]:
+    """JSONL (one object with a string "prompt" per line) or plain text (one prompt per line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompts file does not exist: {p}")
+    lines = [(i, ln.strip()) for i, ln in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
+    if not lines:
+        raise DataError(f"prompts file {p} has no prompts")
+    if not (p.suffix == ".jsonl" or lines[0][1].startswith("{")):
+        return [ln for _, ln in lines]
+    out = []
+    for i, ln in lines:
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise DataError(f"{p}:{i}: each line needs a non-empty string field \"prompt\"")
+        out.append(obj["prompt"])
+    return out
+
+
+def split_prompts(prompts: Sequence[str], fraction: float = HELDOUT_FRACTION) -> tuple[list[str], list[str]]:
+    """(train, heldout) by the hash of each prompt's text. With two or more distinct prompts both
+    parts are non-empty: if the hash rule leaves one empty, the prompt with the smallest hash is
+    held out (or, if all are held out, the one with the largest hash goes to training)."""
+    uniq = list(dict.fromkeys(prompts))
+    train = [p for p in uniq if not is_heldout(p, fraction)]
+    held = [p for p in uniq if is_heldout(p, fraction)]
+    if len(uniq) >= 2 and not held:
+        first = min(uniq, key=_hash_unit)
+        held, train = [first], [p for p in uniq if p != first]
+    elif len(uniq) >= 2 and not train:
+        last = max(uniq, key=_hash_unit)
+        train, held = [last], [p for p in uniq if p != last]
+    return train, held
+
+
+# ---- self-distillation ------------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    from specserve.models.loader import cache_root
+
+    return cache_root() / "train"
+
+
+def _model_fingerprint(model_dir: Path) -> str:
+    h = hashlib.sha256(str(Path(model_dir).resolve()).encode())
+    for name in ("config.json", "tokenizer.json"):
+        f = Path(model_dir) / name
+        if f.exists():
+            h.update(f.read_bytes())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def prompt_token_ids(tokenizer, prompt, chat: bool = True) -> list[int]:
+    """A prompt (a user message string, or a list of chat messages) as token ids."""
+    if isinstance(prompt, list):
+        return tokenizer.apply_chat_template(prompt, True)
+    if chat and tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], True)
+    return tokenizer.encode(prompt)
+
+
+def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0.0, batch_size: int = 16,
+                 seed: int = 0, chat: bool = True, cache_dir: str | os.PathLike | None = None,
+                 log=None) -> list[dict]:
+    """The target writes its own responses to ``prompts``: ``[{"prompt", "ids", "prompt_len"}]``, where
+    ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
+    ``llm.generate`` with ``batch_size`` requests per call. ``temperature`` 0 is greedy; otherwise
+    request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
+    ``~/.cache/specserve/train``) under a key of the model, prompts and every argument; pass
+    ``cache_dir=False`` to disable the cache."""
+    import torch
+
+    from specserve.config import SamplingParams
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    tok = llm.tokenizer
+    ids = [prompt_token_ids(tok, p, chat) for p in prompts]
+    engine = llm.engine
+    dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
+    key_src = json.dumps({"v": 1, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "ids": ids,
+                          "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+    cache_file = None
+    if cache_dir is not False:
+        cache_file = Path(cache_dir or default_cache_dir()) / f"distill-{key}.pt"
+        if cache_file.exists():
+            try:
+                data = torch.load(cache_file, weights_only=True)
+                if log:
+                    log(f"self-distillation: {len(data)} cached sequences from {cache_file}")
+                return data
+            except Exception:  # a partial / corrupt file: regenerate
+                pass
+    out = []
+    t0 = time.perf_counter()
+    for b in range(0, len(ids), batch_size):
+        chunk = ids[b : b + batch_size]
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                 seed=(seed + b + i) if temperature > 0 else None) for i in range(len(chunk))]
+        res = llm.generate([{"prompt_token_ids": x} for x in chunk], params, use_tqdm=False)
+        for p, x, r in zip(prompts[b : b + batch_size], chunk, res):
+            out.append({"prompt": p if isinstance(p, str) else json.dumps(p), "ids": list(x) + list(r.outputs[0].token_ids),
+                        "prompt_len": len(x)})
+        if log:
+            n_tok = sum(len(s["ids"]) - s["prompt_len"] for s in out)
+            dt = time.perf_counter() - t0
+            log(f"self-distillation: {len(out)}/{len(ids)} prompts, {n_tok} tokens, {dt:.0f} s "
+                f"({n_tok / max(dt, 1e-9):.0f} tok/s)")
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        torch.save(out, tmp)
+        tmp.replace(cache_file)
+    return out
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

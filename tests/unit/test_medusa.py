@@ -1,0 +1,165 @@
+"""Medusa heads and drafting: head math, chain/tree proposals, lossless decoding, TP replication."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve import LLM, SamplingParams
+from specserve.spec_decode.medusa import expected_tokens, greedy_tree
+from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+
+from test_spec_engine import assert_same_distribution, sample_prefixes
+
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5):
+    torch.manual_seed(seed)
+    cfg = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
+                       shared_lm_head=shared)
+    heads = MedusaHeads(cfg)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn_like(p) * scale)
+    heads.save(path, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_llama, tmp_path_factory):
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        "shared": make_heads(root / "shared", cfg["hidden_size"], cfg["vocab_size"]),
+        "own": make_heads(root / "own", cfg["hidden_size"], cfg["vocab_size"], num_layers=2, shared=False),
+    }
+
+
+def test_head_math_matches_formula():
+    torch.manual_seed(0)
+    cfg = MedusaConfig(num_heads=2, num_layers=2, hidden_size=8, vocab_size=11, shared_lm_head=False)
+    heads = MedusaHeads(cfg)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn_like(p))
+    assert heads.blocks[0][0].weight.data_ptr() != heads.blocks[0][1].weight.data_ptr()  # no tied blocks
+    x = torch.randn(3, 8)
+    got = heads.logits(x)
+    for h in range(2):
+        y = x
+        for l in range(2):
+            blk = heads.blocks[h][l]
+            y = y + F.silu(y @ blk.weight.T + blk.bias)
+        assert torch.allclose(got[:, h], y @ heads.lm_heads[h].weight.T, atol=1e-5)
+
+
+def test_greedy_tree_and_expected_tokens():
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    paths = greedy_tree(acc, 4)
+    assert paths == [[0], [0, 0], [1], [0, 1]]  # 0.6, 0.24, 0.2, 0.12 (> [0, 0, 0]: 0.072)
+    assert expected_tokens(paths, acc) == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12)
+
+
+@pytest.mark.parametrize("kind", ["shared", "own"])
+@pytest.mark.parametrize("tree", [None, 6, [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
+def test_greedy_identical_to_plain(tiny_llama, tiny_heads, kind, tree):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    spec_cfg = {"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3,
+                "medusa_tree": tree}
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec_cfg)
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_chain_proposal_is_head_argmax(tiny_llama, tiny_heads):
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads["own"]), "num_speculative_tokens": 2})
+    eng = llm.engine
+    seq = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10))
+    eng.step()  # prefill (+ one verify step)
+    prop = eng.proposer
+    from specserve.spec_decode import ProposeInputs
+
+    drafts = prop.propose(ProposeInputs([seq], [2])).chains[0]
+    h = prop._hidden[seq.seq_id]
+    assert h.shape == (64,)
+    want = prop.heads.logits(h[None])[0, :2].argmax(-1).tolist()
+    assert drafts == want and len(drafts) == 2
+
+
+@pytest.mark.parametrize("tree", [None, 8])
+def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree):
+    cfg = json.loads((small_vocab_model / "config.json").read_text())
+    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0)
+    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+               speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
+                                   "medusa_tree": tree, "medusa_topk": 3})
+    a = sample_prefixes(plain, 2000, 0, k=5)
+    b = sample_prefixes(spec, 2000, 100_000, k=5)
+    assert spec.get_metrics()["num_accepted_tokens"] > 100  # drafts were really accepted
+    assert_same_distribution(a, b)
+
+
+def test_typical_acceptance_is_opt_in_and_runs(tiny_llama, tiny_heads, caplog):
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]), "acceptance": "typical",
+                                  "medusa_tree": 6})
+    assert "LOSSY" in caplog.text
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+    # greedy rows stay exact under typical acceptance
+    g = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, g, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, g, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain]
+
+
+def test_auto_tree_uses_measured_costs(tiny_llama, tiny_heads):
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]), "medusa_tree": "auto"})
+    prop = llm.engine.proposer
+    costs = prop.step_costs
+    assert sorted(costs) == list(costs) and all(costs[a] <= costs[b] for a, b in zip(costs, list(costs)[1:]))
+    assert prop.auto_choice.startswith(("chain", "tree of"))
+
+
+def test_bad_medusa_config(tiny_llama, tiny_heads, tmp_path):
+    with pytest.raises(ValueError, match="exceeds the checkpoint's 3 Medusa heads"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]),
+                                                       "num_speculative_tokens": 5})
+    wrong = make_heads(tmp_path / "wrong", 32, 257)
+    with pytest.raises(ValueError, match="hidden size 32.*64"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(wrong)})
+    with pytest.raises(ValueError, match="bogus_option"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]),
+                                                       "bogus_option": 1})
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", ["shared", "own"])
+def test_tp2_medusa_equals_tp1_heads_replicated(tiny_llama, tiny_heads, kind):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec_cfg = {"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3, "medusa_tree": 6}
+    ref = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec_cfg).generate(PROMPTS, params,
+                                                                                            use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec_cfg)
+    try:
+        prop = llm.engine.proposer
+        heads = prop.heads.lm_heads or [prop.lm_head]
+        assert all(h.weight.shape == (257, 64) and h.tp_size == 1 for h in heads)  # full vocab, replicated
+        before = llm.engine.runner.collective_counts()
+        hidden = torch.zeros(4, 64)
+        prop.heads.logits(hidden, prop.lm_head)  # drafting alone runs no collective
+        assert llm.engine.runner.collective_counts() == before
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        counts = llm.engine.runner.collective_counts()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert counts[0] == counts[1]  # the driver ran no extra (head) collective

@@ -1,0 +1,183 @@
+"""``specserve train medusa`` end to end on a tiny random Llama (seconds), the label alignment of the
+examples, and the deterministic, disjoint held-out split of the prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.train.data import is_heldout, read_prompts_file, split_prompts
+from specserve.train.medusa import IGNORE, build_examples
+
+HAVE_CHITCHAT = importlib.util.find_spec("chitchat_dataset") is not None
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on 2 busy cores are dominated by thread hand-offs: run these tests on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tmp_path_factory) -> Path:
+    r = random.Random(0)
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(3, 8))) + "\n"
+                         for _ in range(60)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_cache")
+
+
+def _load_heads(out: Path):
+    from safetensors.torch import load_file
+
+    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+
+    cfg = json.loads((out / "config.json").read_text())
+    mcfg = MedusaConfig(**{f.name: cfg[f.name] for f in fields(MedusaConfig)})
+    heads = MedusaHeads(mcfg)
+    heads.load_state(load_file(str(out / "medusa.safetensors")))
+    return heads, cfg
+
+
+def test_examples_align_head_k_with_token_t_plus_k_plus_2():
+    ids = list(range(100, 112))  # T = 12
+    P, K, d = 4, 3, 2
+    h = torch.arange(len(ids), dtype=torch.float32).unsqueeze(1).repeat(1, d)  # row t holds t
+    H, Y = build_examples([h], [{"ids": ids, "prompt_len": P}], K)
+    ts = H[:, 0].long().tolist()
+    assert ts == list(range(P - 1, len(ids) - 2))  # from the state predicting the first response token
+    for row, t in enumerate(ts):
+        assert Y[row, 0] == ids[t + 1]  # the base lm_head's target
+        for k in range(K):
+            want = ids[t + k + 2] if t + k + 2 < len(ids) else IGNORE
+            assert Y[row, 1 + k] == want
+
+
+def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, one_thread):
+    from specserve.engine.model_runner import ModelRunner
+    from specserve.spec_decode.medusa_heads import MedusaHeads
+    from specserve.train.medusa import (MedusaTrainArgs, compute_hidden_states, evaluate_heads, target_lm_head,
+                                        train_medusa)
+
+    out = tmp_path / "heads"
+    args = MedusaTrainArgs(out=str(out), model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40,
+                           max_tokens=24, epochs=4, lr=1e-2, batch_size=64, seed=0, threads=1,
+                           cache_dir=str(cache_dir), progress=False)
+    logs = []
+    res = train_medusa(args, log=logs.append)
+
+    # the loss went down
+    el = res["train"]["epoch_loss"]
+    assert len(el) == 4 and el[-1] < el[0], el
+    # the checkpoint
+    assert {"config.json", "medusa.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    heads, cfg = _load_heads(out)
+    assert cfg["format"] == "specserve-medusa" and cfg["num_heads"] == 4 and cfg["shared_lm_head"] is True
+    assert len(cfg["heldout_topk_accuracy"]) == 4 and len(cfg["heldout_topk_accuracy"][0]) == 10
+    tr = cfg["training"]
+    assert tr["seed"] == 0 and tr["epochs"] == 4 and tr["train_prompts"] == 40 and tr["heldout_prompts"] >= 1
+    assert tr["heldout_top1"] == [round(x, 5) for x in res["heldout"]["top1"]]
+    readme = (out / "README.md").read_text()
+    for s in ("Held-out accuracy", "Seed:** 0", "Time taken", str(tiny_prompts), "| 0 | t+2 |"):
+        assert s in readme, s
+    if importlib.util.find_spec("specserve.spec_decode.medusa_formats") is not None:  # the engine's loader
+        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+
+        lcfg, sd = load_medusa_checkpoint(out, 64, 257)
+        assert lcfg.num_heads == 4 and lcfg.shared_lm_head and set(sd) == set(heads.state_for_save())
+    # held-out prompts are not training prompts
+    assert not {s["prompt"] for s in res["train_samples"]} & {s["prompt"] for s in res["heldout_samples"]}
+    # greedy self-distillation: the base lm_head reproduces the next token
+    assert res["heldout"]["base_top1"] > 0.99
+
+    # the reloaded heads beat their zero init (the base model's next token) on the training data
+    runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
+    samples = res["train_samples"]
+    H, Y = build_examples(compute_hidden_states(runner.model, samples), samples, 4)
+    w, b = target_lm_head(runner.model)
+    trained = evaluate_heads(heads, H, Y, w, b)
+    zero = evaluate_heads(MedusaHeads(heads.cfg), H, Y, w, b)
+    assert trained["top1"][0] > zero["top1"][0], (trained["top1"], zero["top1"])
+    assert trained["loss"][0] < zero["loss"][0]
+
+    # a rerun with the same data reuses the cached generations and hidden states
+    logs.clear()
+    args2 = MedusaTrainArgs(**{**args.__dict__, "out": str(tmp_path / "heads2"), "epochs": 1})
+    train_medusa(args2, log=logs.append)
+    assert sum("cached" in m for m in logs) == 4, logs
+
+
+def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
+    from specserve.entrypoints.cli import main
+
+    out = tmp_path / "own"
+    argv = ["train", "medusa", "--model", str(tiny_llama), "--out", str(out), "--prompts", str(tiny_prompts),
+            "--num-prompts", "40", "--max-tokens", "24", "--epochs", "2", "--lr", "1e-2", "--batch-size", "64",
+            "--num-heads", "2", "--own-lm-head", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert f"to {out}" in stdout and "head 0: top-1" in stdout and "head 1: top-1" in stdout
+    heads, cfg = _load_heads(out)
+    assert cfg["shared_lm_head"] is False and heads.lm_heads is not None and cfg["num_heads"] == 2
+    assert cfg["training"]["command"] == "specserve " + " ".join(argv)
+    assert "specserve train medusa --model" in (out / "README.md").read_text()
+
+
+def test_cli_train_medusa_bad_args(tmp_path, capsys):
+    from specserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "medusa", "--num-heads", "2"])  # --out is required
+    assert main(["train", "medusa", "--out", str(tmp_path / "x"), "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert "prompts file does not exist" in capsys.readouterr().err
+
+
+def test_prompts_file_split_is_deterministic_and_disjoint(tmp_path):
+    prompts = [f"prompt number {i}" for i in range(200)]
+    a_train, a_held = split_prompts(prompts)
+    b_train, b_held = split_prompts(list(reversed(prompts)))
+    assert set(a_train) == set(b_train) and set(a_held) == set(b_held)
+    assert not set(a_train) & set(a_held) and set(a_train) | set(a_held) == set(prompts)
+    assert 5 <= len(a_held) <= 40
+    assert all(is_heldout(p) for p in a_held)
+    # tiny lists still get one prompt on each side
+    tr, he = split_prompts(["a", "b"])
+    assert len(tr) == 1 and len(he) == 1
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi there"}\n\n{"prompt": "second"}\n')
+    assert read_prompts_file(f) == ["hi there", "second"]
+
+
+@pytest.mark.skipif(not HAVE_CHITCHAT, reason="chitchat-dataset is not installed")
+def test_chitchat_split_is_deterministic_and_disjoint():
+    from specserve.train.data import load_conversations, load_prompt_records, load_prompts
+
+    train = load_prompt_records("train")
+    held = load_prompt_records("heldout")
+    tid, hid = {c for c, _ in train}, {c for c, _ in held}
+    assert not tid & hid
+    n_conv = len(load_conversations())
+    assert n_conv == 7168 and len(tid) + len(hid) == n_conv  # every conversation yields a prompt
+    assert 0.08 < len(hid) / n_conv < 0.12
+    # deterministic: the same split and order again; another seed reorders but keeps the split
+    assert load_prompt_records("heldout") == held
+    other = load_prompt_records("heldout", seed=1)
+    assert {c for c, _ in other} == hid and other != held
+    assert load_prompts("train", n=5) == [p for _, p in train[:5]]
+    assert all(len(p.split()) >= 1 for _, p in held)
+    with pytest.raises(ValueError):
+        load_prompts("test")
