@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+HELDOUT = "chitchat-heldout"  # --prompts value: the held-out split of the drafters' training prompts
 WARMUP_TOKENS = 4
 
 
@@ -48,25 +49,16 @@ class BenchError(ValueError):
 def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
     """Prompts from a JSONL file (one object with a "prompt" field per line) or a plain text file (one
     prompt per line). Blank lines are skipped. ``None``: the built-in set."""
-    p = Path(path) if path is not None else BUILTIN_PROMPTS
-    if not p.exists():
-        raise BenchError(f"prompts file does not exist: {p}")
-    lines = [(i, ln.strip()) for i, ln in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
-    if not lines:
-        raise BenchError(f"prompts file {p} has no prompts")
-    is_jsonl = p.suffix == ".jsonl" or lines[0][1].startswith("{")
-    if not is_jsonl:
-        return [ln for _, ln in lines]
-    prompts = []
-    for i, ln in lines:
-        try:
-            obj = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise BenchError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise BenchError(f"{p}:{i}: each line needs a non-empty string field \"prompt\"")
-        prompts.append(obj["prompt"])
-    return prompts
+    if str(path) == HELDOUT:  # the chat prompts our drafters never saw in training
+        from specserve.train.data import load_prompts as load_chitchat
+
+        return load_chitchat("heldout")
+    from specserve.train.data import DataError, read_prompts_file
+
+    try:
+        return read_prompts_file(path if path is not None else BUILTIN_PROMPTS)
+    except DataError as e:
+        raise BenchError(str(e)) from None
 
 
 @dataclass
@@ -197,6 +189,9 @@ METHODS: dict[str, Callable[[], object]] = {
     "hf": HFMethod,
     "ngram": lambda: SpecserveMethod("ngram", {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
+    # the heads shipped for the default model: chain (argmax of each head) and a tree sized at start-up
+    "medusa": lambda: SpecserveMethod("medusa", {"method": "medusa"}),
+    "medusa-tree": lambda: SpecserveMethod("medusa-tree", {"method": "medusa", "medusa_tree": "auto"}),
 }
 
 

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="none,hf",
                    help="comma list of methods (default none,hf); 'none' (the baseline) always runs")
     b.add_argument("--prompts", default=None, metavar="FILE",
-                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
-                        "(default: the built-in set)")
+                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
+                        "'chitchat-heldout' (the held-out split of the drafters' training prompts; default: the "
+                        "built-in set)")
     b.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default all)")
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
@@ -240,29 +241,38 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """Plain decoding, then lossless Medusa drafting, on the same chat prompt: same text, tokens/s, tau."""
     from specserve import LLM, SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(num_threads=args.threads)
-    load_s = time.perf_counter() - t0
-    try:
-        import torch
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    runs = [("plain decoding", None), ("Medusa (shipped heads, lossless)", {"method": "medusa"})]
+    results = []
+    for title, spec in runs:
+        t0 = time.perf_counter()
+        llm = LLM(num_threads=args.threads, speculative_config=spec)
+        load_s = time.perf_counter() - t0
+        try:
+            import torch
 
-        dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
-        print(f"specserve demo: SmolLM2-135M-Instruct ({dtype}, {torch.get_num_threads()} CPU threads), "
-              f"loaded in {load_s:.1f} s")
-        print(f"\nQ: {DEMO_QUESTION}\nA: ", end="", flush=True)
-        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_QUESTION}])
-        wall, out = _stream(llm, {"prompt": DEMO_QUESTION, "prompt_token_ids": ids},
-                            SamplingParams(temperature=0.0, max_tokens=96))
-        st = llm.engine.stats
-        n = len(out.outputs[0].token_ids)
-        dec = st["decode_tokens"] / st["decode_s"] if st["decode_s"] > 0 else 0.0
-        print(f"\n{n} tokens in {wall:.2f} s (greedy, finish_reason={out.outputs[0].finish_reason}): "
-              f"decoding {dec:.1f} tok/s, prefill of {st['prefill_tokens']} prompt tokens {st['prefill_s'] * 1000:.0f} ms")
-        print("next: specserve generate --chat --prompt '...'   |   specserve bench --methods none,hf")
-    finally:
-        llm.shutdown()
+            dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+            print(f"\n== {title}: SmolLM2-135M-Instruct ({dtype}, {torch.get_num_threads()} CPU threads), "
+                  f"loaded in {load_s:.1f} s")
+            print(f"Q: {DEMO_QUESTION}\nA: ", end="", flush=True)
+            ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_QUESTION}])
+            wall, out = _stream(llm, {"prompt": DEMO_QUESTION, "prompt_token_ids": ids}, params)
+            st = llm.engine.stats
+            dec = st["decode_tokens"] / st["decode_s"] if st["decode_s"] > 0 else 0.0
+            tau = llm.get_metrics()["mean_acceptance_length"]
+            results.append((title, out.outputs[0].token_ids, dec, tau))
+            print(f"-> {len(out.outputs[0].token_ids)} tokens in {wall:.2f} s: decoding {dec:.1f} tok/s, "
+                  f"mean acceptance length {tau:.2f}")
+        finally:
+            llm.shutdown()
+    (_, base_ids, base_tps, _), (_, spec_ids, spec_tps, tau) = results
+    same = "identical" if base_ids == spec_ids else "DIFFERENT (a bug: please report it)"
+    print(f"\nMedusa vs plain: {spec_tps / base_tps:.2f}x decoding speed, tau {tau:.2f}, text {same}")
+    print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
+          "specserve bench --methods none,hf,ngram,medusa,medusa-tree")
     return 0
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from specserve.spec_decode.dspark import DFlashProposer, DSparkProposer
 from specserve.spec_decode.medusa import MedusaProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.proposer import NoProposer, Proposal, Proposer, ProposeInputs, TreeDraft
 
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer}
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer,
+                                         "dspark": DSparkProposer, "dflash": DFlashProposer}
 
 
 def build_proposer(spec) -> Proposer:

@@ -31,3 +31,16 @@ def test_ngram_greedy_identical_to_plain(default_llm_fp32):
     assert m["num_accepted_tokens"] > 0 and m["mean_acceptance_length"] > 1.0
     assert len(m["acceptance_rate_per_position"]) == 5
     spec.shutdown()
+
+
+@pytest.mark.parametrize("tree", [None, "auto", 16])
+def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = default_llm_fp32.generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(dtype="float32", speculative_config={"method": "medusa", "medusa_tree": tree})
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, plain, out):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+    m = llm.get_metrics()
+    assert m["mean_acceptance_length"] > 1.3  # the shipped heads really predict the model's tokens
+    llm.shutdown()

@@ -1,0 +1,730 @@
+"""DFlash / DSpark drafter modules: a block-diffusion draft backbone conditioned on target features by
+KV injection, plus DSpark's Markov logit-bias head and confidence head.
+
+Layout of one drafting step for a sequence whose next (not yet verified) token is the *anchor* at
+absolute position ``p`` (the target's last sampled "bonus" token):
+
+* the draft cache holds, per draft layer, the projected K/V of the context features (the outputs of
+  ``cfg.target_layer_ids`` in the target, concatenated, then ``hidden_norm(fc(.))``) at every
+  committed position ``< p``; each step only the newly committed tokens' features are projected
+  (``DraftCache.extend``);
+* the block input is ``[embed(anchor), embed(mask) x (B-1)]`` at positions ``p .. p+B-1``, with the
+  TARGET's embedding (``embed_fn``; never copied into the drafter);
+* every layer attends from the block to ``[context ; block]`` (context strictly before ``p``, the
+  block bidirectionally: no causal mask inside the block);
+* the final-normed block hidden states give the draft slots: **anchor-first** (DSpark,
+  ``sample_from_anchor=True``): all B slots, slot k predicts position ``p+k+1``; **mask-only**
+  (DFlash, ``sample_from_anchor=False``): slots 1..B-1, slot k predicts position ``p+k`` (the anchor
+  slot gives no draft). ``DSparkConfig.num_drafts`` is B or B-1 accordingly;
+* ``draft_block`` turns the draft slots into tokens left to right: base logits ``U_k`` (the target's
+  lm_head, or the drafter's own pruned head when ``draft_vocab_size < vocab_size``) plus the Markov
+  bias ``B_k(x_{k-1})`` (``x_0`` = the anchor), greedy or sampled; with a sampled draft the exact
+  corrected distribution ``q_k`` is kept (mapped to the target vocabulary) for lossless rejection
+  sampling.
+
+Parameter names follow the DeepSpec checkpoints (``fc.weight``, ``hidden_norm.weight``,
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``...{q,k}_norm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+``norm.weight``, ``markov_head.markov_w1.weight [V, r]``, ``markov_head.markov_w2.weight [V_draft, r]``,
+``markov_head.gate_proj.*`` / ``markov_head.joint_proj.*``, ``confidence_head.proj.{weight,bias}``)
+plus, for a pruned draft vocabulary, ``lm_head.weight [V_draft, d]`` and the ``d2t`` offsets
+(``target_id = draft_id + d2t[draft_id]``). ``expected_state_shapes(cfg)`` lists them;
+``specserve.spec_decode.dspark_formats`` converts DeepSpec, speculators and z-lab checkpoints to them.
+
+Tensor parallelism: the drafter is replicated on every rank (its inputs, the target's layer outputs,
+are full after the target's all-reduces). The Markov head is replicated by default (the small-heads
+rule: a collective per draft position costs more than the replicated weights); ``replicate=False``
+shards it (``VocabParallelEmbedding`` W1 + gathered ``ParallelLMHead`` W2) for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import TPGroup
+from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
+from specserve.layers.linear import ReplicatedLinear, ShapeMismatch, default_weight_loader
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding, apply_rotary
+from specserve.models.loader import CheckpointError
+
+__all__ = [
+    "MARKOV_HEAD_TYPES",
+    "DSparkConfig",
+    "DraftCache",
+    "DFlashDrafter",
+    "MarkovHead",
+    "ConfidenceHead",
+    "DraftBlock",
+    "draft_block",
+    "expected_state_shapes",
+    "d2t_from_t2d",
+]
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+# ---- configuration --------------------------------------------------------------------------------
+
+
+@dataclass
+class DSparkConfig:
+    """A DFlash / DSpark drafter.
+
+    hidden_size: must equal the target's (the drafter uses the target's embedding and lm_head).
+    num_attention_heads, num_key_value_heads, head_dim, intermediate_size, num_layers, rms_norm_eps,
+    rope_theta, rope_scaling, attention_bias: the draft decoder stack (Qwen3 style, per-head q/k norm).
+    target_layer_ids: target decoder layers whose outputs (HF ``hidden_states[id + 1]``) feed ``fc``;
+    each in ``[0, L-1)`` for an L-layer target (the last layer is forbidden).
+    block_size: block inputs per step (anchor + block_size-1 masks), >= 1 (>= 2 when mask-only).
+    mask_token_id: id of the mask token in the target vocabulary (required).
+    sample_from_anchor: True = anchor-first (DSpark; block_size drafts, slot k predicts p+k+1);
+    False = mask-only (DFlash; block_size-1 drafts, slot k predicts p+k).
+    markov_rank: rank r of the Markov head, 0 = none (pure DFlash). markov_head_type: vanilla | gated
+    | rnn. enable_confidence_head / confidence_head_with_markov: the confidence head and whether it
+    also reads ``W1[x_{k-1}]`` (needs markov_rank > 0).
+    vocab_size: the target's vocabulary. draft_vocab_size: <= vocab_size; smaller = a pruned draft
+    vocabulary with its own lm_head and ``d2t`` offsets.
+    source_fields: our field -> the checkpoint's field name, for error messages only.
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int | None
+    sample_from_anchor: bool
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    vocab_size: int = 0
+    draft_vocab_size: int = 0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    source_format: str = ""
+    source_fields: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.draft_vocab_size:
+            self.draft_vocab_size = self.vocab_size
+        self.target_layer_ids = [int(i) for i in (self.target_layer_ids or [])]
+
+    # -- derived ------------------------------------------------------------------------------------
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens one block forward yields: block_size (anchor-first) or block_size - 1."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def first_draft_slot(self) -> int:
+        """Index of the block slot that gives the first draft (0 anchor-first, 1 mask-only)."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def pruned_vocab(self) -> bool:
+        return self.draft_vocab_size < self.vocab_size
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_rank > 0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source_fields")
+        return d
+
+    # -- validation ---------------------------------------------------------------------------------
+    def _name(self, f: str) -> str:
+        src = self.source_fields.get(f)
+        return f if not src or src == f else f"{f} (checkpoint field {src!r})"
+
+    def _fail(self, f: str, msg: str):
+        where = f"{self.source_format} drafter" if self.source_format else "drafter"
+        raise CheckpointError(f"{where}: {self._name(f)} {msg}")
+
+    def validate(self, target_cfg=None) -> None:
+        """Check the drafter on its own and, with ``target_cfg`` (a ``ModelConfig``), against the
+        target. Raises ``CheckpointError`` naming the offending field."""
+        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "num_layers", "vocab_size", "draft_vocab_size"):
+            if int(getattr(self, f)) <= 0:
+                self._fail(f, f"must be > 0, got {getattr(self, f)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            self._fail("num_key_value_heads", f"({self.num_key_value_heads}) must divide num_attention_heads "
+                       f"({self.num_attention_heads})")
+        if self.mask_token_id is None:
+            self._fail("mask_token_id", "is missing: the drafter needs the id of its mask token")
+        if not (0 <= int(self.mask_token_id) < self.vocab_size):
+            self._fail("mask_token_id", f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        min_block = 1 if self.sample_from_anchor else 2
+        if self.block_size < min_block:
+            layout = "anchor-first" if self.sample_from_anchor else "mask-only"
+            self._fail("block_size", f"must be >= {min_block} for the {layout} layout, got {self.block_size}")
+        if not self.target_layer_ids:
+            self._fail("target_layer_ids", "is empty: the drafter needs at least one target layer")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            self._fail("target_layer_ids", f"{self.target_layer_ids} has duplicates")
+        if any(i < 0 for i in self.target_layer_ids):
+            self._fail("target_layer_ids", f"{self.target_layer_ids} has a negative layer id")
+        if self.markov_rank < 0:
+            self._fail("markov_rank", f"must be >= 0, got {self.markov_rank}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            self._fail("markov_head_type", f"{self.markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and not self.has_markov:
+            self._fail("confidence_head_with_markov", "is true but markov_rank is 0 (no Markov embedding to read)")
+        if self.draft_vocab_size > self.vocab_size:
+            self._fail("draft_vocab_size", f"({self.draft_vocab_size}) exceeds the target vocabulary "
+                       f"vocab_size ({self.vocab_size})")
+        if target_cfg is None:
+            return
+        if self.hidden_size != target_cfg.hidden_size:
+            self._fail("hidden_size", f"is {self.hidden_size}, the target model's hidden_size is "
+                       f"{target_cfg.hidden_size} (the drafter shares the target's embedding and lm_head)")
+        if self.vocab_size != target_cfg.vocab_size:
+            self._fail("vocab_size", f"is {self.vocab_size}, the target model's vocab_size is {target_cfg.vocab_size}")
+        n = target_cfg.num_hidden_layers
+        for i in self.target_layer_ids:
+            if i >= n:
+                self._fail("target_layer_ids", f"{self.target_layer_ids}: layer {i} does not exist in the target "
+                           f"(num_hidden_layers {n}, ids 0..{n - 1})")
+            if i == n - 1:
+                self._fail("target_layer_ids", f"{self.target_layer_ids}: layer {i} is the target's last layer, "
+                           "which is forbidden (its HF hidden state is post-norm)")
+
+
+def expected_state_shapes(cfg: DSparkConfig) -> dict[str, tuple]:
+    """Every tensor of the drafter (our names, as ``DFlashDrafter.load_state`` wants them) -> shape."""
+    d, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out: dict[str, tuple] = {"fc.weight": (d, cfg.num_aux_layers * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (H * D, d)
+        out[p + "self_attn.k_proj.weight"] = (Hkv * D, d)
+        out[p + "self_attn.v_proj.weight"] = (Hkv * D, d)
+        if cfg.attention_bias:
+            out[p + "self_attn.q_proj.bias"] = (H * D,)
+            out[p + "self_attn.k_proj.bias"] = (Hkv * D,)
+            out[p + "self_attn.v_proj.bias"] = (Hkv * D,)
+        out[p + "self_attn.o_proj.weight"] = (d, H * D)
+        out[p + "self_attn.q_norm.weight"] = (D,)
+        out[p + "self_attn.k_norm.weight"] = (D,)
+        out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
+        out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, d)
+        out[p + "mlp.down_proj.weight"] = (d, cfg.intermediate_size)
+        out[p + "input_layernorm.weight"] = (d,)
+        out[p + "post_attention_layernorm.weight"] = (d,)
+    if cfg.pruned_vocab:
+        out["lm_head.weight"] = (cfg.draft_vocab_size, d)
+        out["d2t"] = (cfg.draft_vocab_size,)
+    r = cfg.markov_rank
+    if r > 0:
+        out["markov_head.markov_w1.weight"] = (cfg.vocab_size, r)
+        out["markov_head.markov_w2.weight"] = (cfg.draft_vocab_size, r)
+        if cfg.markov_head_type == "gated":
+            out["markov_head.gate_proj.weight"] = (r, d + r)
+            out["markov_head.gate_proj.bias"] = (r,)
+        elif cfg.markov_head_type == "rnn":
+            out["markov_head.joint_proj.weight"] = (3 * r, 2 * r + d)
+            out["markov_head.joint_proj.bias"] = (3 * r,)
+    if cfg.enable_confidence_head:
+        extra = r if cfg.confidence_head_with_markov else 0
+        out["confidence_head.proj.weight"] = (1, d + extra)
+        out["confidence_head.proj.bias"] = (1,)
+    return out
+
+
+def d2t_from_t2d(t2d: torch.Tensor) -> torch.Tensor:
+    """bool ``t2d`` [V_target] (True = in the draft vocabulary) -> long offsets ``d2t`` [V_draft] with
+    ``target_id = draft_id + d2t[draft_id]`` (draft ids in increasing target-id order)."""
+    target_ids = torch.nonzero(t2d.to(torch.bool), as_tuple=False).flatten()
+    return target_ids - torch.arange(target_ids.numel(), dtype=target_ids.dtype)
+
+
+# ---- heads ----------------------------------------------------------------------------------------
+
+
+class MarkovHead(nn.Module):
+    """Low-rank transition bias over the draft vocabulary, conditioned on the previous token.
+
+    ``markov_w1``: W1 [V_target, r], indexed by the previous token's TARGET id (the anchor may be any
+    target token). ``markov_w2``: W2 [V_draft, r], applied through ``LogitsProcessor``.
+    vanilla: ``B_k = W2 W1[x_{k-1}]``.
+    gated: ``g = sigmoid(gate_proj([h_k; W1[x_{k-1}]]))``, ``B_k = W2 (g * W1[x_{k-1}])``.
+    rnn: ``z_k = [s_{k-1}; W1[x_{k-1}]; h_k]``, ``joint_proj(z_k)`` split in (gate, candidate, output),
+    ``s_k = sigmoid(gate) * s_{k-1} + (1 - sigmoid(gate)) * tanh(candidate)``, ``s_0 = 0``,
+    ``B_k = W2 tanh(output)`` (position k reads s_{k-1}).
+
+    ``replicate=True`` (default): W1 is a plain ``nn.Embedding`` and W2 a ``ParallelLMHead(...,
+    disable_tp=True)``: full weights on every rank, no collective per position. ``replicate=False``:
+    W1 ``VocabParallelEmbedding`` (an all-reduce per lookup) and W2 a sharded ``ParallelLMHead`` (a
+    gather per position) over ``tp``.
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int,
+                 head_type: str = "vanilla", tp: TPGroup | None = None, replicate: bool = True, dtype=torch.float32):
+        super().__init__()
+        if rank <= 0:
+            raise ValueError(f"markov_rank must be > 0, got {rank}")
+        if head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {head_type!r}")
+        tp = tp or TPGroup()
+        self.vocab_size, self.draft_vocab_size, self.rank, self.hidden_size = vocab_size, draft_vocab_size, rank, hidden_size
+        self.head_type = head_type
+        self.sharded = not replicate
+        if replicate:
+            self.markov_w1 = nn.Embedding(vocab_size, rank, dtype=dtype)
+            self.markov_w1.weight.weight_loader = default_weight_loader
+            self.markov_w2 = ParallelLMHead(draft_vocab_size, rank, tp, disable_tp=True, dtype=dtype)
+        else:
+            self.markov_w1 = VocabParallelEmbedding(vocab_size, rank, tp, dtype=dtype)
+            self.markov_w2 = ParallelLMHead(draft_vocab_size, rank, tp, dtype=dtype)
+        self.logits_processor = LogitsProcessor(draft_vocab_size)
+        if head_type == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank, dtype=dtype)
+        elif head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, dtype=dtype)
+
+    def prev_embeddings(self, prev_token_ids: torch.Tensor) -> torch.Tensor:
+        """W1[x] for target-vocab ids [...] -> [..., r]."""
+        return self.markov_w1(prev_token_ids.long())
+
+    def project(self, latent: torch.Tensor) -> torch.Tensor:
+        """W2 latent: [..., r] -> [..., V_draft] (gathered only when W2 is really sharded)."""
+        return self.logits_processor(self.markov_w2, latent)
+
+    def step(self, prev_token_ids: torch.Tensor, hidden: torch.Tensor | None = None,
+             state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One position of the serial loop: prev ids [N] (target vocab), hidden [N, d] (the draft
+        slot's final-normed state; gated/rnn only), state [N, r] (rnn; None = s_0 = 0)
+        -> (bias [N, V_draft], new state (rnn) or None, W1[x] [N, r])."""
+        emb = self.prev_embeddings(prev_token_ids)
+        if self.head_type == "vanilla":
+            return self.project(emb), None, emb
+        if hidden is None:
+            raise ValueError(f"the {self.head_type} Markov head needs the draft hidden states")
+        hidden = hidden.to(emb.dtype)
+        if self.head_type == "gated":
+            g = torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1)))
+            return self.project(g * emb), None, emb
+        if state is None:
+            state = emb.new_zeros(emb.shape)
+        gate, cand, out = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(gate)
+        new_state = g * state + (1.0 - g) * torch.tanh(cand)
+        return self.project(torch.tanh(out)), new_state, emb
+
+    def bias(self, prev_token_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced bias of a whole block: prev ids [..., K] (``[anchor, x_1 .. x_{K-1}]``, target
+        vocab), hidden [..., K, d] (gated/rnn) -> [..., K, V_draft]. vanilla and gated are computed for
+        all positions at once; rnn is unrolled over K from s_0 = 0."""
+        if self.head_type != "rnn":
+            return self.step(prev_token_ids, hidden)[0]
+        if hidden is None:
+            raise ValueError("the rnn Markov head needs the draft hidden states")
+        state, outs = None, []
+        for k in range(prev_token_ids.shape[-1]):
+            b, state, _ = self.step(prev_token_ids[..., k], hidden[..., k, :], state)
+            outs.append(b)
+        return torch.stack(outs, dim=-2)
+
+
+class ConfidenceHead(nn.Module):
+    """Acceptance-probability predictor: ``c_k = sigmoid(proj([h_k; W1[x_{k-1}]]))`` (``proj`` a
+    ``Linear(d + r -> 1)`` with bias), or ``sigmoid(proj(h_k))`` when ``with_markov`` is False."""
+
+    def __init__(self, hidden_size: int, markov_rank: int = 0, with_markov: bool = False, dtype=torch.float32):
+        super().__init__()
+        if with_markov and markov_rank <= 0:
+            raise ValueError("a confidence head with_markov needs markov_rank > 0")
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden_size + (markov_rank if with_markov else 0), 1, dtype=dtype)
+
+    def logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., d], prev_emb [..., r] (W1[x_{k-1}], with_markov only) -> [...] logits."""
+        if self.with_markov:
+            if prev_emb is None:
+                raise ValueError("this confidence head reads W1[x_{k-1}]: pass prev_emb")
+            hidden = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1)
+        return self.proj(hidden.to(self.proj.weight.dtype)).squeeze(-1)
+
+    def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logits(hidden, prev_emb))
+
+
+# ---- drafting loop --------------------------------------------------------------------------------
+
+
+class DraftBlock(NamedTuple):
+    """One block's drafts. tokens [g] long (target ids); probs [g, V_target] float32, the exact
+    distribution each token was sampled from (None: greedy, deterministic drafts); confidences [g]
+    float32 (None without a confidence head)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidences: torch.Tensor | None
+
+
+@torch.no_grad()
+def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
+                markov: MarkovHead | None = None, temperature: float | None = 0.0,
+                generator: torch.Generator | None = None, d2t: torch.Tensor | None = None, *,
+                confidence_head: ConfidenceHead | None = None, target_vocab_size: int | None = None,
+                num_drafts: int | None = None) -> DraftBlock:
+    """Draft left to right from the draft slots' hidden states.
+
+    base_logits_fn: hidden [g, d] -> base logits U [g, V_draft] (all positions in one GEMM).
+    hidden [g, d]: the draft slots (``DFlashDrafter.draft_hidden``). anchor: the anchor's target id
+    (int or 0-d/1-element tensor), x_0. markov: None = pure DFlash (no bias). temperature: None or
+    < 1e-5 = greedy (argmax of the corrected logits), else each x_k is sampled from
+    ``softmax((U_k + B_k(x_{k-1})) / T)`` with ``generator`` (same seed on every TP rank).
+    d2t: draft->target offsets [V_draft] for a pruned vocabulary (then ``target_vocab_size`` is needed
+    for q), or the bool ``t2d`` mask [V_target] itself: x_k is mapped to its target id before the next
+    Markov lookup and in the output, and q_k is scattered into the target vocabulary.
+    num_drafts: stop after that many positions.
+    """
+    g = hidden.shape[0] if num_drafts is None else max(0, min(int(num_drafts), hidden.shape[0]))
+    hidden = hidden[:g]
+    device = hidden.device
+    greedy = temperature is None or temperature < 1e-5
+    if confidence_head is not None and confidence_head.with_markov and markov is None:
+        raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
+    to_target = None
+    if d2t is not None and d2t.dtype == torch.bool:  # a t2d mask
+        target_vocab_size = target_vocab_size or d2t.numel()
+        d2t = d2t_from_t2d(d2t)
+    if d2t is not None:
+        to_target = torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
+        if not greedy and target_vocab_size is None:
+            raise ValueError("a pruned draft vocabulary needs target_vocab_size to map q to the target vocabulary")
+    prev = torch.as_tensor(anchor, device=device, dtype=torch.long).reshape(1)
+    if g == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return DraftBlock(empty, None if greedy else torch.zeros(0, target_vocab_size or 0, device=device),
+                          None if confidence_head is None else torch.zeros(0, device=device))
+    base = base_logits_fn(hidden).float()
+    tokens, probs, confs = [], [], []
+    state = None
+    for k in range(g):
+        h_k = hidden[k : k + 1]
+        emb = None
+        logits = base[k : k + 1]
+        if markov is not None:
+            b, state, emb = markov.step(prev, h_k, state)
+            logits = logits + b.float()
+        if confidence_head is not None:
+            confs.append(confidence_head(h_k, emb).float())
+        if greedy:
+            x = logits.argmax(dim=-1)
+        else:
+            q = torch.softmax(logits / temperature, dim=-1)
+            x = torch.multinomial(q, 1, generator=generator).view(1)
+            probs.append(q)
+        if to_target is not None:
+            x = to_target[x]
+        tokens.append(x)
+        prev = x
+    out_tokens = torch.cat(tokens)
+    out_probs = None
+    if not greedy:
+        q = torch.cat(probs)
+        if to_target is not None:
+            full = q.new_zeros(g, target_vocab_size)
+            full[:, to_target] = q
+            q = full
+        out_probs = q
+    return DraftBlock(out_tokens, out_probs, torch.cat(confs) if confs else None)
+
+
+# ---- backbone -------------------------------------------------------------------------------------
+
+
+class DFlashAttention(nn.Module):
+    """Non-causal attention of the block over ``[context ; block]``. K/V of the context are computed
+    once by ``project_kv`` (cached); the block's own K/V in every forward."""
+
+    def __init__(self, cfg: DSparkConfig, dtype):
+        super().__init__()
+        d, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.q_proj = ReplicatedLinear(d, H * D, cfg.attention_bias, dtype=dtype)
+        self.k_proj = ReplicatedLinear(d, Hkv * D, cfg.attention_bias, dtype=dtype)
+        self.v_proj = ReplicatedLinear(d, Hkv * D, cfg.attention_bias, dtype=dtype)
+        self.o_proj = ReplicatedLinear(H * D, d, False, dtype=dtype)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.scale = D**-0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [n, d] -> k, v [Hkv, n, D] (k normed per head and rotated at its positions)."""
+        n = x.shape[0]
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)), cos, sin)
+        v = self.v_proj(x).view(n, self.Hkv, self.D)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x [B, d] (the block, after input_layernorm), ctx_k/v [Hkv, n, D], mask None or bool
+        [B, n + B] -> [B, d]."""
+        B = x.shape[0]
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(B, self.H, self.D)), cos, sin).transpose(0, 1)
+        k, v = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=1)
+        v = torch.cat([ctx_v.to(v.dtype), v], dim=1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                             scale=self.scale, enable_gqa=self.H != self.Hkv)
+        return self.o_proj(out[0].transpose(0, 1).reshape(B, self.H * self.D))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DSparkConfig, dtype):
+        super().__init__()
+        self.gate_proj = ReplicatedLinear(cfg.hidden_size, cfg.intermediate_size, False, dtype=dtype)
+        self.up_proj = ReplicatedLinear(cfg.hidden_size, cfg.intermediate_size, False, dtype=dtype)
+        self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = DFlashAttention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = DFlashMLP(cfg, dtype)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftCache:
+    """The drafter's KV cache of ONE sequence: per draft layer, the projected K/V of the context
+    features at their absolute positions. ``extend`` projects only the new rows; ``crop(n)`` keeps the
+    first n entries (rollback). The block's own K/V are never stored (each step recomputes them), so
+    nothing needs cropping after a block forward."""
+
+    def __init__(self, drafter: "DFlashDrafter", capacity: int = 64):
+        cfg = drafter.cfg
+        self.drafter = drafter
+        self.length = 0
+        p = next(drafter.parameters())
+        self._shape = (cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self._dtype, self._device = p.dtype, p.device
+        self._alloc(max(1, capacity))
+
+    def _alloc(self, cap: int) -> None:
+        L, Hkv, D = self._shape
+        k = torch.zeros(L, Hkv, cap, D, dtype=self._dtype, device=self._device)
+        v = torch.zeros_like(k)
+        pos = torch.zeros(cap, dtype=torch.long, device=self._device)
+        if getattr(self, "k", None) is not None and self.length:
+            n = self.length
+            k[:, :, :n], v[:, :, :n], pos[:n] = self.k[:, :, :n], self.v[:, :, :n], self._pos[:n]
+        self.k, self.v, self._pos = k, v, pos
+
+    @property
+    def capacity(self) -> int:
+        return self._pos.shape[0]
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._pos[: self.length]
+
+    @torch.no_grad()
+    def extend(self, features: torch.Tensor, positions) -> None:
+        """Append the context rows ``features`` [n, m*d] (target layer outputs, concatenated in
+        ``target_layer_ids`` order) at absolute ``positions`` [n]."""
+        n = features.shape[0]
+        if n == 0:
+            return
+        positions = torch.as_tensor(positions, dtype=torch.long, device=self._device).reshape(-1)
+        if positions.numel() != n:
+            raise ValueError(f"{n} feature rows but {positions.numel()} positions")
+        kv = self.drafter.project_context(features, positions)
+        if self.length + n > self.capacity:
+            self._alloc(max(self.length + n, 2 * self.capacity))
+        a, b = self.length, self.length + n
+        for i, (k, v) in enumerate(kv):
+            self.k[i, :, a:b] = k
+            self.v[i, :, a:b] = v
+        self._pos[a:b] = positions
+        self.length = b
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` entries."""
+        if not (0 <= n <= self.length):
+            raise ValueError(f"cannot crop a draft cache of {self.length} entries to {n}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i, :, : self.length], self.v[i, :, : self.length]
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash backbone (``fc``, ``hidden_norm``, ``layers``, ``norm``) with DSpark's optional
+    ``markov_head`` / ``confidence_head`` and, for a pruned vocabulary, its own ``lm_head`` + ``d2t``.
+    Embedding and (full-vocabulary) lm_head are the target's, passed at call time.
+
+    One sequence per call (batch size 1): ``forward_block`` runs a single block over one
+    ``DraftCache``. Batching several sequences needs a padded context mask (left for the proposer)."""
+
+    def __init__(self, cfg: DSparkConfig, tp: TPGroup | None = None, dtype=torch.float32,
+                 markov_replicate: bool = True):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = ReplicatedLinear(cfg.num_aux_layers * d, d, False, dtype=dtype)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 4096, cfg.rope_scaling)
+        self.lm_head = None
+        d2t = None
+        if cfg.pruned_vocab:  # the drafter's own head over the draft vocabulary, replicated
+            self.lm_head = ParallelLMHead(cfg.draft_vocab_size, d, tp, disable_tp=True, dtype=dtype)
+            d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        self.register_buffer("d2t", d2t)  # draft id -> target id offsets (None: same vocabulary)
+        self.logits_processor = LogitsProcessor(cfg.draft_vocab_size)
+        self.markov_head = None
+        if cfg.has_markov:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank, d,
+                                          cfg.markov_head_type, tp, markov_replicate, dtype)
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(d, cfg.markov_rank, cfg.confidence_head_with_markov, dtype)
+
+    # -- context ------------------------------------------------------------------------------------
+    def new_cache(self, capacity: int = 64) -> DraftCache:
+        return DraftCache(self, capacity)
+
+    def context_features(self, features: torch.Tensor) -> torch.Tensor:
+        """H_ctx = hidden_norm(fc(features)): [n, m*d] -> [n, d]."""
+        return self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
+
+    def project_context(self, features: torch.Tensor, positions: torch.Tensor):
+        """Context rows [n, m*d] at positions [n] -> per layer (k, v) [Hkv, n, D]."""
+        h = self.context_features(features)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        return [layer.self_attn.project_kv(h, cos, sin) for layer in self.layers]
+
+    # -- block --------------------------------------------------------------------------------------
+    def block_input_ids(self, anchor) -> torch.Tensor:
+        """[anchor, mask x (block_size - 1)] (target ids) -> [block_size] long."""
+        ids = torch.full((self.cfg.block_size,), int(self.cfg.mask_token_id), dtype=torch.long,
+                         device=self.norm.weight.device)
+        ids[0] = torch.as_tensor(anchor).reshape(())
+        return ids
+
+    @torch.no_grad()
+    def forward_block(self, anchor, start_pos: int, cache: DraftCache,
+                      embed_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block ``[anchor, mask x (B-1)]`` at positions ``start_pos ..`` over the cached context
+        -> final-normed hidden [B, d] of every slot (``draft_hidden`` selects the draft slots).
+        ``embed_fn``: the target's embedding, ids [n] -> [n, d]."""
+        x = embed_fn(self.block_input_ids(anchor))
+        return self.forward_block_embeds(x, start_pos, cache)
+
+    @torch.no_grad()
+    def forward_block_embeds(self, x: torch.Tensor, start_pos: int, cache: DraftCache) -> torch.Tensor:
+        """Block input embeddings [B, d] at positions ``start_pos .. start_pos+B-1`` -> [B, d]. The block
+        sees every cached context entry at a position < ``start_pos`` and itself, bidirectionally."""
+        B = x.shape[0]
+        x = x.to(self.norm.weight.dtype)
+        pos = torch.arange(start_pos, start_pos + B, device=x.device)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        mask = None
+        n = len(cache)
+        if n:
+            visible = cache.positions < start_pos
+            if not bool(visible.all()):
+                mask = torch.cat([visible, visible.new_ones(B)]).expand(B, n + B)
+        h = x
+        for i, layer in enumerate(self.layers):
+            ck, cv = cache.layer_kv(i)
+            h = layer(h, cos, sin, ck, cv, mask)
+        return self.norm(h)
+
+    def draft_hidden(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, d] -> the draft slots [num_drafts, d] (all slots anchor-first; slots 1.. mask-only)."""
+        return block_hidden[self.cfg.first_draft_slot :]
+
+    # -- logits and drafting ------------------------------------------------------------------------
+    def base_logits(self, hidden: torch.Tensor,
+                    target_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """U = lm_head(h) over the draft vocabulary, float32: the drafter's own head for a pruned
+        vocabulary (never the target's), else ``target_logits_fn`` (the target's ``compute_logits``)."""
+        if self.lm_head is not None:
+            return self.logits_processor(self.lm_head, hidden).float()
+        if target_logits_fn is None:
+            raise ValueError("this drafter uses the target's lm_head: pass target_logits_fn")
+        return target_logits_fn(hidden).float()
+
+    @torch.no_grad()
+    def propose(self, anchor, start_pos: int, cache: DraftCache, embed_fn, target_logits_fn=None,
+                temperature: float | None = 0.0, generator: torch.Generator | None = None,
+                num_drafts: int | None = None) -> DraftBlock:
+        """One drafting step of one sequence: block forward + ``draft_block``."""
+        hidden = self.draft_hidden(self.forward_block(anchor, start_pos, cache, embed_fn))
+        return draft_block(lambda h: self.base_logits(h, target_logits_fn), hidden, anchor, self.markov_head,
+                           temperature, generator, self.d2t, confidence_head=self.confidence_head,
+                           target_vocab_size=self.cfg.vocab_size, num_drafts=num_drafts)
+
+    # -- weights ------------------------------------------------------------------------------------
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out = dict(self.named_parameters())
+        if self.d2t is not None:
+            out["d2t"] = self.d2t
+        return out
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self._tensors().items()}
+
+    def load_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load our names (``expected_state_shapes``); every tensor must be present with its exact
+        shape. Errors name the tensor."""
+        want = self._tensors()
+        missing = sorted(set(want) - set(sd))
+        if missing:
+            raise CheckpointError(f"drafter checkpoint is missing {', '.join(missing[:6])}"
+                                  + (" ..." if len(missing) > 6 else ""))
+        unexpected = sorted(set(sd) - set(want))
+        if unexpected:
+            raise CheckpointError(f"drafter checkpoint has unexpected tensors {', '.join(unexpected[:6])}")
+        with torch.no_grad():
+            for name, p in want.items():
+                t = sd[name]
+                try:
+                    if name == "d2t":
+                        if tuple(t.shape) != tuple(p.shape):
+                            raise ShapeMismatch(tuple(p.shape), tuple(t.shape))
+                        p.copy_(t.to(torch.long))
+                        continue
+                    getattr(p, "weight_loader", default_weight_loader)(p, t.to(p.dtype))
+                except ShapeMismatch as e:
+                    raise CheckpointError(f"drafter tensor {name!r}: checkpoint shape {e.got}, "
+                                          f"expected {e.expected}") from None

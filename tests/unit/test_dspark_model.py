@@ -1,0 +1,600 @@
+"""DFlash / DSpark drafter: checkpoint formats (DeepSpec, speculators, z-lab) on tiny synthetic
+checkpoints, config validation against the target, the Markov head variants against formulas written
+here, the drafting loop (greedy and probabilistic, pruned vocabulary), the replicated Markov head
+under TP (no collective), and the non-causal KV-injection backbone against a direct computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import TPGroup
+from specserve.models.loader import CheckpointError
+from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+from specserve.spec_decode.dspark_model import (
+    ConfidenceHead,
+    DFlashDrafter,
+    DSparkConfig,
+    MarkovHead,
+    d2t_from_t2d,
+    draft_block,
+    expected_state_shapes,
+)
+
+D, H, HKV, HD, V, R, BLOCK, VD = 32, 4, 2, 8, 50, 4, 4, 40
+LAYER_IDS = [0, 2]
+MASK = 49
+THETA = 10000.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def target_cfg(**kw) -> ModelConfig:
+    base = dict(family="qwen3", vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=H, num_key_value_heads=HKV, head_dim=HD, rope_theta=THETA, qk_norm=True)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def small_cfg(**kw) -> DSparkConfig:
+    base = dict(hidden_size=D, num_attention_heads=H, num_key_value_heads=HKV, head_dim=HD, intermediate_size=48,
+                num_layers=2, rms_norm_eps=1e-6, rope_theta=THETA, target_layer_ids=LAYER_IDS, block_size=BLOCK,
+                mask_token_id=MASK, sample_from_anchor=True, markov_rank=R, markov_head_type="vanilla",
+                enable_confidence_head=True, confidence_head_with_markov=True, vocab_size=V, draft_vocab_size=V)
+    base.update(kw)
+    return DSparkConfig(**base)
+
+
+def random_t2d(seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.randperm(V, generator=g)[:VD]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[keep] = True
+    return t2d
+
+
+def random_state(cfg: DSparkConfig, seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in expected_state_shapes(cfg).items():
+        if name == "d2t":
+            sd[name] = d2t_from_t2d(random_t2d(seed))
+        elif name.endswith("norm.weight"):
+            sd[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            sd[name] = 0.3 * torch.randn(shape, generator=g)
+    return sd
+
+
+def build(cfg: DSparkConfig, seed=0, **kw) -> DFlashDrafter:
+    m = DFlashDrafter(cfg, **kw)
+    m.load_state(random_state(cfg, seed))
+    return m
+
+
+# ---- checkpoint writers (one per published layout) ------------------------------------------------
+
+
+def _decoder_json(num_layers=2, vocab=V, hidden=D):
+    return {"hidden_size": hidden, "num_attention_heads": H, "num_key_value_heads": HKV, "head_dim": HD,
+            "intermediate_size": 48, "num_hidden_layers": num_layers, "rms_norm_eps": 1e-6, "rope_theta": THETA,
+            "vocab_size": vocab, "hidden_act": "silu", "model_type": "qwen3", "attention_bias": False}
+
+
+def write_deepspec(path, markov_rank=R, head_type="vanilla", confidence=True, with_markov=True, **overrides):
+    cfg = small_cfg(markov_rank=markov_rank, markov_head_type=head_type, enable_confidence_head=confidence,
+                    confidence_head_with_markov=with_markov and markov_rank > 0)
+    sd = random_state(cfg, seed=1)
+    g = torch.Generator().manual_seed(2)
+    weights = dict(sd)
+    weights["embed_tokens.weight"] = torch.randn(V, D, generator=g)  # copies of the target's: ignored
+    weights["lm_head.weight"] = torch.randn(V, D, generator=g)
+    conf = {**_decoder_json(), "architectures": ["Qwen3DSparkModel"], "num_target_layers": 4, "block_size": BLOCK,
+            "mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "num_anchors": 512,
+            "layer_types": ["full_attention"] * 2, "tie_word_embeddings": False, "markov_rank": markov_rank,
+            "markov_head_type": head_type, "enable_confidence_head": confidence,
+            "confidence_head_with_markov": with_markov}
+    conf.update(overrides)
+    conf = {k: v for k, v in conf.items() if v is not None}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(conf))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    return sd
+
+
+def write_speculators(path, kind="dspark", draft_vocab=VD, with_d2t=True, with_t2d=True, with_lm_head=True,
+                      tlc_overrides=None, **overrides):
+    pruned = draft_vocab < V
+    cfg = small_cfg(markov_rank=R if kind == "dspark" else 0, enable_confidence_head=kind == "dspark",
+                    confidence_head_with_markov=kind == "dspark", draft_vocab_size=draft_vocab,
+                    sample_from_anchor=kind == "dspark")
+    sd = random_state(cfg, seed=3)
+    weights = {k: v for k, v in sd.items() if k != "d2t"}
+    if pruned:
+        t2d = random_t2d(3)
+        if with_t2d:
+            weights["t2d"] = t2d
+        if with_d2t:
+            weights["d2t"] = d2t_from_t2d(t2d)
+        if not with_lm_head:
+            weights.pop("lm_head.weight")
+    weights["embed_tokens.weight"] = torch.randn(V, D)
+    tlc = _decoder_json()
+    tlc.update(tlc_overrides or {})
+    conf = {"speculators_model_type": kind, "architectures": [f"{kind.upper()}Speculator"],
+            "transformer_layer_config": tlc, "draft_vocab_size": draft_vocab, "block_size": BLOCK,
+            "aux_hidden_state_layer_ids": LAYER_IDS, "mask_token_id": MASK,
+            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy"}}
+    if kind == "dspark":
+        conf.update(sample_from_anchor=True, markov_rank=R, markov_head_type="vanilla", enable_confidence_head=True,
+                    confidence_head_with_markov=True)
+    conf.update(overrides)
+    conf = {k: v for k, v in conf.items() if v is not None}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(conf))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    return sd
+
+
+def write_zlab(path, dflash_config=None, **overrides):
+    cfg = small_cfg(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False,
+                    sample_from_anchor=False)
+    sd = random_state(cfg, seed=4)
+    conf = {**_decoder_json(), "architectures": ["DFlashDraftModel"], "block_size": BLOCK, "num_target_layers": 4,
+            "dflash_config": dflash_config if dflash_config is not None else
+            {"target_layer_ids": LAYER_IDS, "mask_token_id": MASK}}
+    conf.update(overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(conf))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    return sd
+
+
+def assert_same_state(sd, written):
+    assert set(sd) == set(written)
+    for k in written:
+        assert torch.equal(sd[k], written[k].to(sd[k].dtype)), k
+
+
+# ---- formats ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_deepspec_dspark_loads(tmp_path, head_type):
+    written = write_deepspec(tmp_path / "ds", head_type=head_type)
+    cfg, sd = load_dspark_checkpoint(tmp_path / "ds", target_cfg())
+    assert cfg.sample_from_anchor and cfg.num_drafts == BLOCK and cfg.first_draft_slot == 0
+    assert (cfg.markov_rank, cfg.markov_head_type, cfg.block_size, cfg.mask_token_id) == (R, head_type, BLOCK, MASK)
+    assert cfg.target_layer_ids == LAYER_IDS and cfg.num_layers == 2 and cfg.draft_vocab_size == V
+    assert cfg.enable_confidence_head and cfg.confidence_head_with_markov
+    assert_same_state(sd, written)  # embed_tokens / lm_head copies dropped
+    m = DFlashDrafter(cfg)
+    m.load_state(sd)
+    assert m.lm_head is None and m.d2t is None and m.markov_head.head_type == head_type
+
+
+def test_deepspec_dflash_baseline_is_anchor_first(tmp_path):
+    write_deepspec(tmp_path / "ds", markov_rank=0, confidence=False, with_markov=False)
+    cfg, sd = load_dspark_checkpoint(tmp_path / "ds", target_cfg())
+    assert cfg.markov_rank == 0 and cfg.sample_from_anchor and cfg.num_drafts == BLOCK
+    assert not any(k.startswith(("markov_head.", "confidence_head.")) for k in sd)
+    m = DFlashDrafter(cfg)
+    m.load_state(sd)
+    assert m.markov_head is None and m.confidence_head is None
+
+
+@pytest.mark.parametrize("maps", [(True, True), (True, False), (False, True)])
+def test_speculators_dspark_pruned_vocab(tmp_path, maps):
+    with_d2t, with_t2d = maps
+    written = write_speculators(tmp_path / "sp", with_d2t=with_d2t, with_t2d=with_t2d)
+    cfg, sd = load_dspark_checkpoint(tmp_path / "sp", target_cfg())
+    assert cfg.sample_from_anchor and cfg.pruned_vocab and cfg.draft_vocab_size == VD
+    assert torch.equal(sd["d2t"], d2t_from_t2d(random_t2d(3)))
+    assert sd["markov_head.markov_w1.weight"].shape == (V, R) and sd["markov_head.markov_w2.weight"].shape == (VD, R)
+    assert_same_state({k: v for k, v in sd.items() if k != "d2t"}, {k: v for k, v in written.items() if k != "d2t"})
+    m = DFlashDrafter(cfg)
+    m.load_state(sd)
+    assert m.lm_head.weight.shape == (VD, D) and torch.equal(m.lm_head.weight, written["lm_head.weight"])
+
+
+def test_speculators_dflash_missing_sample_from_anchor_is_mask_only(tmp_path):
+    write_speculators(tmp_path / "sp", kind="dflash", draft_vocab=V)
+    raw = json.loads((tmp_path / "sp" / "config.json").read_text())
+    assert "sample_from_anchor" not in raw
+    cfg, sd = load_dspark_checkpoint(tmp_path / "sp", target_cfg())
+    assert not cfg.sample_from_anchor and cfg.num_drafts == BLOCK - 1 and cfg.first_draft_slot == 1
+    assert cfg.markov_rank == 0 and not cfg.pruned_vocab and "d2t" not in sd
+
+
+def test_zlab_dflash_is_mask_only(tmp_path):
+    written = write_zlab(tmp_path / "zl")
+    cfg, sd = load_dspark_checkpoint(tmp_path / "zl", target_cfg())
+    assert not cfg.sample_from_anchor and cfg.num_drafts == BLOCK - 1
+    assert cfg.target_layer_ids == LAYER_IDS and cfg.mask_token_id == MASK and cfg.markov_rank == 0
+    assert_same_state(sd, written)
+    DFlashDrafter(cfg).load_state(sd)
+
+
+@pytest.mark.parametrize("case,field", [
+    ("hidden", "hidden_size"),
+    ("vocab", "vocab_size"),
+    ("layer_beyond", "target_layer_ids"),
+    ("layer_last", "target_layer_ids"),
+    ("no_mask", "mask_token_id"),
+])
+def test_deepspec_config_errors_name_the_field(tmp_path, case, field):
+    over = {"hidden": {"hidden_size": 48}, "vocab": {"vocab_size": 60},
+            "layer_beyond": {"target_layer_ids": [0, 4]}, "layer_last": {"target_layer_ids": [0, 3]},
+            "no_mask": {"mask_token_id": None}}[case]
+    write_deepspec(tmp_path / "ds", **over)
+    with pytest.raises(CheckpointError, match=field) as e:
+        load_dspark_checkpoint(tmp_path / "ds", target_cfg())
+    if case == "layer_last":
+        assert "last layer" in str(e.value)
+
+
+def test_speculators_and_zlab_errors_name_the_field(tmp_path):
+    write_speculators(tmp_path / "a", draft_vocab=V + 10)
+    with pytest.raises(CheckpointError, match="draft_vocab_size"):
+        load_dspark_checkpoint(tmp_path / "a", target_cfg())
+    write_speculators(tmp_path / "b", tlc_overrides={"hidden_size": 48})
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_dspark_checkpoint(tmp_path / "b", target_cfg())
+    write_speculators(tmp_path / "c", aux_hidden_state_layer_ids=[1, 3])
+    with pytest.raises(CheckpointError, match="aux_hidden_state_layer_ids"):
+        load_dspark_checkpoint(tmp_path / "c", target_cfg())
+    write_speculators(tmp_path / "d", with_lm_head=False)
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_dspark_checkpoint(tmp_path / "d", target_cfg())
+    write_speculators(tmp_path / "e", with_d2t=False, with_t2d=False)
+    with pytest.raises(CheckpointError, match="d2t"):
+        load_dspark_checkpoint(tmp_path / "e", target_cfg())
+    write_zlab(tmp_path / "f", dflash_config={"target_layer_ids": LAYER_IDS})
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        load_dspark_checkpoint(tmp_path / "f", target_cfg())
+    write_zlab(tmp_path / "g")
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        load_dspark_checkpoint(tmp_path / "g", target_cfg(vocab_size=64))
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="Supported formats"):
+        load_dspark_checkpoint(tmp_path / "h", target_cfg())
+
+
+def test_bad_tensors_are_named(tmp_path):
+    write_deepspec(tmp_path / "ds")
+    from safetensors.torch import load_file
+
+    f = tmp_path / "ds" / "model.safetensors"
+    w = load_file(str(f))
+    w["layers.1.self_attn.k_proj.weight"] = torch.zeros(HKV * HD + 1, D)
+    save_file(w, str(f))
+    with pytest.raises(CheckpointError, match="layers.1.self_attn.k_proj.weight"):
+        load_dspark_checkpoint(tmp_path / "ds", target_cfg())
+    w.pop("layers.1.self_attn.k_proj.weight")
+    w["layers.2.mlp.up_proj.weight"] = torch.zeros(48, D)
+    save_file(w, str(f))
+    with pytest.raises(CheckpointError, match="layers.2.mlp.up_proj.weight"):
+        load_dspark_checkpoint(tmp_path / "ds", target_cfg())
+
+
+def test_validate_direct():
+    small_cfg().validate(target_cfg())
+    for kw, field in [(dict(hidden_size=48), "hidden_size"), (dict(vocab_size=60, draft_vocab_size=60), "vocab_size"),
+                      (dict(target_layer_ids=[7]), "target_layer_ids"), (dict(target_layer_ids=[3]), "target_layer_ids"),
+                      (dict(mask_token_id=None), "mask_token_id"), (dict(draft_vocab_size=V + 1), "draft_vocab_size"),
+                      (dict(markov_head_type="lstm"), "markov_head_type"),
+                      (dict(markov_rank=0), "confidence_head_with_markov")]:
+        with pytest.raises(CheckpointError, match=field):
+            small_cfg(**kw).validate(target_cfg())
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(markov_head_type="gated"), dict(markov_head_type="rnn"),
+                                dict(draft_vocab_size=VD), dict(attention_bias=True),
+                                dict(markov_rank=0, confidence_head_with_markov=False)])
+def test_expected_shapes_match_module(kw):
+    cfg = small_cfg(**kw)
+    m = DFlashDrafter(cfg)
+    assert {k: tuple(v.shape) for k, v in m.state_for_save().items()} == expected_state_shapes(cfg)
+
+
+# ---- Markov and confidence heads ----------------------------------------------------------------
+
+
+def randomize(head: MarkovHead, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_markov_bias_matches_formula(head_type):
+    head = MarkovHead(V, VD, R, D, head_type)
+    randomize(head)
+    g = torch.Generator().manual_seed(5)
+    K = 5
+    ids = torch.randint(0, V, (2, K), generator=g)
+    hid = torch.randn(2, K, D, generator=g)
+    W1, W2 = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+    e = W1[ids]  # [2, K, r]
+    if head_type == "vanilla":
+        want = e @ W2.T
+    elif head_type == "gated":
+        Wg, bg = head.gate_proj.weight.detach(), head.gate_proj.bias.detach()
+        gate = torch.sigmoid(torch.cat([hid, e], -1) @ Wg.T + bg)
+        want = (gate * e) @ W2.T
+    else:
+        Wj, bj = head.joint_proj.weight.detach(), head.joint_proj.bias.detach()
+        s = torch.zeros(2, R)
+        outs = []
+        for k in range(K):
+            z = torch.cat([s, e[:, k], hid[:, k]], -1)  # [s_{k-1}; W1[x_{k-1}]; h_k]
+            a = z @ Wj.T + bj
+            gate, cand, o = a[:, :R], a[:, R:2 * R], a[:, 2 * R:]
+            outs.append(torch.tanh(o) @ W2.T)  # B_k from z_k: uses s_{k-1}
+            s = torch.sigmoid(gate) * s + (1 - torch.sigmoid(gate)) * torch.tanh(cand)
+        want = torch.stack(outs, 1)
+    with torch.no_grad():
+        got = head.bias(ids, hid)
+    assert got.shape == (2, K, VD)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_confidence_head_formula():
+    ch = ConfidenceHead(D, R, with_markov=True)
+    h, e = torch.randn(3, D), torch.randn(3, R)
+    w, b = ch.proj.weight.detach(), ch.proj.bias.detach()
+    with torch.no_grad():
+        torch.testing.assert_close(ch(h, e), torch.sigmoid(torch.cat([h, e], -1) @ w[0] + b))
+    ch2 = ConfidenceHead(D, R, with_markov=False)
+    with torch.no_grad():
+        torch.testing.assert_close(ch2(h), torch.sigmoid(h @ ch2.proj.weight[0] + ch2.proj.bias))
+
+
+def test_replicated_markov_head_full_weights_no_collective():
+    tp = TPGroup(rank=1, size=2)  # a rank of a 2-way group: any collective would need a process group
+    head = MarkovHead(V, VD, R, D, "gated", tp=tp, replicate=True)
+    assert not head.sharded and head.markov_w2.tp_size == 1
+    assert head.markov_w1.weight.shape == (V, R) and head.markov_w2.weight.shape == (VD, R)
+    w1, w2 = torch.randn(V, R), torch.randn(VD, R)
+    head.markov_w1.weight.weight_loader(head.markov_w1.weight, w1)
+    head.markov_w2.weight.weight_loader(head.markov_w2.weight, w2)
+    ids, hid = torch.tensor([[3, 49, 0]]), torch.randn(1, 3, D)
+    with torch.no_grad():
+        out = head.bias(ids, hid)
+        gate = torch.sigmoid(head.gate_proj(torch.cat([hid, w1[ids]], -1)))
+        torch.testing.assert_close(out, (gate * w1[ids]) @ w2.T)
+    assert tp.num_collectives() == 0
+    sharded = MarkovHead(V, VD, R, D, "vanilla", tp=tp, replicate=False)
+    assert sharded.sharded and sharded.markov_w2.tp_size == 2
+    assert sharded.markov_w1.weight.shape == (V // 2, R) and sharded.markov_w2.weight.shape == (VD // 2, R)
+    # the whole drafter under TP keeps its Markov head replicated and drafts without any collective
+    m = build(small_cfg(draft_vocab_size=VD), tp=tp)
+    assert m.markov_head.markov_w2.tp_size == 1 and m.lm_head.tp_size == 1
+    cache = m.new_cache()
+    cache.extend(torch.randn(5, len(LAYER_IDS) * D), torch.arange(5))
+    emb = torch.randn(V, D)
+    blk = m.propose(7, 5, cache, lambda ids: emb[ids], temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert blk.tokens.shape == (BLOCK,) and tp.num_collectives() == 0
+
+
+# ---- drafting loop --------------------------------------------------------------------------------
+
+
+def loop_reference(U, hidden, anchor, head, tokens, to_target=None):
+    """Corrected logits of every position, conditioned on the given (already drafted) tokens."""
+    prev, state, out = torch.tensor([anchor]), None, []
+    for k in range(U.shape[0]):
+        logits = U[k : k + 1]
+        if head is not None:
+            b, state, _ = head.step(prev, hidden[k : k + 1], state)
+            logits = logits + b
+        out.append(logits)
+        prev = tokens[k : k + 1]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_draft_block_greedy_and_probabilistic(head_type):
+    torch.manual_seed(0)
+    head = MarkovHead(V, V, R, D, head_type)
+    randomize(head, 1)
+    Wlm = torch.randn(V, D)
+    hidden = torch.randn(BLOCK, D)
+    anchor = 17
+    U = hidden @ Wlm.T
+    base = lambda h: h @ Wlm.T  # noqa: E731
+    ch = ConfidenceHead(D, R, with_markov=True)
+
+    # greedy: x_k = argmax(U_k + B_k(x_{k-1})), no probs
+    tokens, probs, conf = draft_block(base, hidden, anchor, head, 0.0, confidence_head=ch)
+    assert probs is None and tokens.shape == (BLOCK,)
+    with torch.no_grad():
+        prev, state, want = torch.tensor([anchor]), None, []
+        for k in range(BLOCK):
+            b, state, _ = head.step(prev, hidden[k : k + 1], state)
+            prev = (U[k : k + 1] + b).argmax(-1)
+            want.append(prev)
+        assert torch.equal(tokens, torch.cat(want))
+        # confidences read [h_k; W1[x_{k-1}]] with x_0 = the anchor
+        prevs = torch.cat([torch.tensor([anchor]), tokens[:-1]])
+        torch.testing.assert_close(conf, ch(hidden, head.markov_w1.weight[prevs]))
+
+    # probabilistic: q_k = softmax(corrected / T) given the sampled predecessor
+    T = 0.7
+    tokens, probs, _ = draft_block(base, hidden, anchor, head, T, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        corrected = loop_reference(U, hidden, anchor, head, tokens)
+    torch.testing.assert_close(probs, torch.softmax(corrected / T, -1))
+    again, _, _ = draft_block(base, hidden, anchor, head, T, torch.Generator().manual_seed(3))
+    assert torch.equal(tokens, again)  # same seed, same drafts (what keeps TP ranks in step)
+    # the loop really conditions on the predecessor: some draft distribution differs from the
+    # unconditioned one (anchor-conditioned bias everywhere)
+    with torch.no_grad():
+        flat = torch.softmax((U + head.bias(torch.full((BLOCK,), anchor), hidden)) / T, -1)
+    assert not torch.allclose(flat[1:], probs[1:])
+
+
+def test_rank0_is_pure_dflash():
+    cfg = small_cfg(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
+    m = build(cfg)
+    assert m.markov_head is None and m.confidence_head is None
+    Wlm = torch.randn(V, D)
+    hidden = torch.randn(BLOCK, D)
+    tokens, probs, conf = draft_block(lambda h: h @ Wlm.T, hidden, 5, None, 0.0)
+    assert torch.equal(tokens, (hidden @ Wlm.T).argmax(-1)) and probs is None and conf is None
+    tokens, probs, _ = draft_block(lambda h: h @ Wlm.T, hidden, 5, None, 1.3, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(probs, torch.softmax(hidden @ Wlm.T / 1.3, -1))
+
+
+def test_draft_block_pruned_vocab_maps_to_target_ids():
+    t2d = random_t2d(7)
+    d2t = d2t_from_t2d(t2d)
+    to_target = torch.arange(VD) + d2t
+    assert torch.equal(to_target, torch.nonzero(t2d).flatten())
+    head = MarkovHead(V, VD, R, D, "vanilla")
+    randomize(head, 2)
+    Wd = torch.randn(VD, D)
+    hidden = torch.randn(BLOCK, D)
+    anchor = int(torch.nonzero(~t2d)[0])  # an anchor outside the draft vocabulary: W1 is target-vocab
+    T = 1.0
+    tokens, probs, _ = draft_block(lambda h: h @ Wd.T, hidden, anchor, head, T, torch.Generator().manual_seed(1),
+                                   d2t, target_vocab_size=V)
+    assert bool(t2d[tokens].all())  # target ids, all inside the draft vocabulary
+    assert probs.shape == (BLOCK, V) and torch.all(probs[:, ~t2d] == 0)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(BLOCK))
+    with torch.no_grad():
+        # the next lookup uses the TARGET id of the previous draft
+        corrected = loop_reference(hidden @ Wd.T, hidden, anchor, head, tokens)
+    torch.testing.assert_close(probs[:, to_target], torch.softmax(corrected / T, -1))
+    # a t2d mask is accepted in place of d2t
+    t_tokens, t_probs, _ = draft_block(lambda h: h @ Wd.T, hidden, anchor, head, T, torch.Generator().manual_seed(1),
+                                       t2d)
+    assert torch.equal(t_tokens, tokens) and torch.equal(t_probs, probs)
+    g_tokens, _, _ = draft_block(lambda h: h @ Wd.T, hidden, anchor, head, 0.0, None, d2t)
+    with torch.no_grad():
+        corrected = loop_reference(hidden @ Wd.T, hidden, anchor, head, g_tokens)
+    assert torch.equal(g_tokens, to_target[corrected.argmax(-1)])
+
+
+# ---- backbone -------------------------------------------------------------------------------------
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos):
+    """x [n, heads, D] rotated at positions [n] (rotate-half layout)."""
+    inv = 1.0 / THETA ** (torch.arange(0, HD, 2).float() / HD)
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    rot = torch.cat([-x[..., HD // 2:], x[..., : HD // 2]], -1)
+    return x * cos + rot * sin
+
+
+def direct_block(sd, cfg, feats, ctx_pos, x, start):
+    """The block forward written out: context and block K/V concatenated in one go, full attention."""
+    B = x.shape[0]
+    hctx = _rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"])
+    bpos = torch.arange(start, start + B)
+    h = x
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        xn = _rms(h, sd[p + "input_layernorm.weight"])
+        q = _rope(_rms((xn @ sd[p + "self_attn.q_proj.weight"].T).view(B, H, HD), sd[p + "self_attn.q_norm.weight"]), bpos)
+        src = torch.cat([hctx, xn])
+        allpos = torch.cat([ctx_pos, bpos])
+        k = _rope(_rms((src @ sd[p + "self_attn.k_proj.weight"].T).view(-1, HKV, HD), sd[p + "self_attn.k_norm.weight"]),
+                  allpos)
+        v = (src @ sd[p + "self_attn.v_proj.weight"].T).view(-1, HKV, HD)
+        k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HD), -1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(B, H * HD)
+        h = h + o @ sd[p + "self_attn.o_proj.weight"].T
+        y = _rms(h, sd[p + "post_attention_layernorm.weight"])
+        h = h + (F.silu(y @ sd[p + "mlp.gate_proj.weight"].T) * (y @ sd[p + "mlp.up_proj.weight"].T)) @ \
+            sd[p + "mlp.down_proj.weight"].T
+    return _rms(h, sd["norm.weight"])
+
+
+def test_block_forward_cache_equals_direct_and_is_non_causal():
+    cfg = small_cfg()
+    sd = random_state(cfg, 11)
+    m = DFlashDrafter(cfg)
+    m.load_state(sd)
+    g = torch.Generator().manual_seed(12)
+    n_ctx = 7
+    feats = torch.randn(n_ctx, len(LAYER_IDS) * D, generator=g)
+    x = torch.randn(BLOCK, D, generator=g)
+    cache = m.new_cache(capacity=2)  # forces growth
+    cache.extend(feats[:3], torch.arange(3))  # features arrive in pieces, as tokens get committed
+    cache.extend(feats[3:], torch.arange(3, n_ctx))
+    out = m.forward_block_embeds(x, n_ctx, cache)
+    want = direct_block(sd, cfg, feats, torch.arange(n_ctx), x, n_ctx)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+    # non-causal inside the block: a later slot's input changes an earlier slot's output
+    x2 = x.clone()
+    x2[BLOCK - 1] += 1.0
+    out2 = m.forward_block_embeds(x2, n_ctx, cache)
+    assert not torch.allclose(out2[0], out[0], atol=1e-4)
+    # the context is seen through the cache
+    other = m.new_cache()
+    other.extend(feats.flip(0), torch.arange(n_ctx))
+    assert not torch.allclose(m.forward_block_embeds(x, n_ctx, other)[0], out[0], atol=1e-4)
+
+    # entries at or after the anchor position are invisible; crop rolls the context back
+    cache.extend(torch.randn(2, len(LAYER_IDS) * D, generator=g), torch.arange(n_ctx, n_ctx + 2))
+    torch.testing.assert_close(m.forward_block_embeds(x, n_ctx, cache), out)
+    cache.crop(n_ctx)
+    assert len(cache) == n_ctx
+    torch.testing.assert_close(m.forward_block_embeds(x, n_ctx, cache), out)
+    with pytest.raises(ValueError):
+        cache.crop(n_ctx + 1)
+
+
+def test_forward_block_uses_target_embedding_and_layouts():
+    for anchor_first in (True, False):
+        cfg = small_cfg(sample_from_anchor=anchor_first)
+        m = build(cfg, 13)
+        emb = torch.randn(V, D)
+        cache = m.new_cache()
+        cache.extend(torch.randn(4, len(LAYER_IDS) * D), torch.arange(4))
+        hb = m.forward_block(9, 4, cache, lambda ids: emb[ids])
+        ids = torch.tensor([9] + [MASK] * (BLOCK - 1))
+        torch.testing.assert_close(hb, m.forward_block_embeds(emb[ids], 4, cache))
+        drafts = m.draft_hidden(hb)
+        assert drafts.shape == (cfg.num_drafts, D)
+        assert torch.equal(drafts[-1], hb[-1]) and (anchor_first or torch.equal(drafts[0], hb[1]))
+        # a full-vocabulary drafter takes the target's lm_head at call time
+        Wt = torch.randn(V, D)
+        blk = m.propose(9, 4, cache, lambda i: emb[i], lambda h: h @ Wt.T)
+        assert blk.tokens.shape == (cfg.num_drafts,) and blk.confidences.shape == (cfg.num_drafts,)
+        with pytest.raises(ValueError):
+            m.propose(9, 4, cache, lambda i: emb[i])
+
+
+def test_loaded_checkpoint_drafts_end_to_end(tmp_path):
+    write_speculators(tmp_path / "sp")
+    cfg, sd = load_dspark_checkpoint(tmp_path / "sp", target_cfg())
+    m = DFlashDrafter(cfg)
+    m.load_state(sd)
+    cache = m.new_cache()
+    cache.extend(torch.randn(6, len(LAYER_IDS) * D), torch.arange(6))
+    emb = torch.randn(V, D)
+    blk = m.propose(3, 6, cache, lambda i: emb[i], temperature=0.8, generator=torch.Generator().manual_seed(0))
+    t2d = random_t2d(3)
+    assert blk.tokens.shape == (BLOCK,) and bool(t2d[blk.tokens].all())
+    assert blk.probs.shape == (BLOCK, V) and torch.all(blk.probs[:, ~t2d] == 0)
+    assert blk.confidences.shape == (BLOCK,) and bool(((blk.confidences > 0) & (blk.confidences < 1)).all())
