@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="trainer", metavar="DRAFTER")
     tsub.required = True
     _add_train_medusa_parser(tsub)
+    _add_train_dspark_parser(tsub)
     return parser
 
 
@@ -158,6 +159,71 @@ def _add_train_medusa_parser(tsub) -> None:
                         "(default ~/.cache/specserve/train)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
     m.set_defaults(func=cmd_train_medusa)
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _add_train_dspark_parser(tsub) -> None:
+    m = tsub.add_parser(
+        "dspark", help="a DSpark (or DFlash) block drafter on the frozen target",
+        description="Train an anchor-first block drafter (DSpark: Markov head + confidence head; "
+                    "--markov-rank 0: a DFlash baseline with the same recipe) on the frozen target. The target "
+                    "answers the prompts itself, the outputs of its --target-layer-ids layers are computed once, "
+                    "then the drafter learns to draft the next --block-size tokens after an anchor from them. "
+                    "Writes a DeepSpec-format checkpoint (config.json, model.safetensors) and README.md to --out "
+                    "and reports per-position acceptance estimates on held-out prompts.")
+    _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
+                       "(target features are always computed in float32)")
+    m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    m.add_argument("--num-layers", type=_positive_int, default=1, help="draft decoder layers (default 1)")
+    m.add_argument("--block-size", type=_positive_int, default=7,
+                   help="gamma: the anchor + gamma-1 masks give gamma drafts (default 7)")
+    m.add_argument("--markov-rank", type=_nonneg_int, default=64,
+                   help="rank of the Markov head (default 64; 0 = a DFlash baseline without it)")
+    m.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla",
+                   help="Markov head variant (default vanilla)")
+    m.add_argument("--target-layer-ids", default="auto", metavar="auto|IDS",
+                   help="target layers whose outputs feed the drafter: 'auto' (--num-target-layers ids evenly "
+                        "spaced between 1 and L-3; [0] for a 2-layer target) or a comma list (default auto)")
+    m.add_argument("--num-target-layers", type=_positive_int, default=5,
+                   help="how many layers 'auto' picks (default 5)")
+    m.add_argument("--mask-token-id", type=_nonneg_int, default=None,
+                   help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
+    m.add_argument("--anchors-per-seq", type=_positive_int, default=16,
+                   help="random anchor positions (blocks) per sequence per epoch (default 16)")
+    m.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
+                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
+    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
+    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
+                   help="held-out prompts to evaluate and calibrate on (default max(8, num_prompts/10))")
+    m.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="response tokens per prompt at most (default 128)")
+    m.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the self-distillation (default 0 = greedy)")
+    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
+    m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the sequences (default 2)")
+    m.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (default 6e-4)")
+    m.add_argument("--warmup", type=float, default=0.04, help="linear warm-up, fraction of the steps (default 0.04)")
+    m.add_argument("--batch-size", type=_positive_int, default=8,
+                   help="sequences per step, each with --anchors-per-seq blocks (default 8)")
+    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
+                   help="requests generated together during self-distillation (default 16)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    m.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where generated sequences and target features are cached "
+                        "(default ~/.cache/specserve/train)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    m.set_defaults(func=cmd_train_dspark)
 
 
 def _version() -> str:
@@ -301,6 +367,38 @@ def cmd_train_medusa(args) -> int:
     for k in range(len(ev["top1"])):
         print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}  (zero init top-1 "
               f"{zero['top1'][k]:.3f})")
+    return 0
+
+
+def cmd_train_dspark(args) -> int:
+    import shlex
+
+    from specserve.train.dspark import DSparkTrainArgs, train_dspark
+
+    targs = DSparkTrainArgs(
+        out=args.out, model=args.model, num_layers=args.num_layers, block_size=args.block_size,
+        markov_rank=args.markov_rank, markov_head_type=args.markov_head_type, target_layer_ids=args.target_layer_ids,
+        num_target_layers=args.num_target_layers, mask_token_id=args.mask_token_id,
+        anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+        epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
+        threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
+        chat=not args.no_chat, progress=not args.no_progress)
+    argv = getattr(args, "_argv", None)
+    command = "specserve " + shlex.join(argv) if argv is not None else None
+    res = train_dspark(targs, command=command)
+    ev, init, tm, cfg = res["heldout"], res["heldout_init"], res["timings"], res["config"]
+    print(f"wrote a {res['meta']['method']} drafter ({cfg['num_layers']} layer(s), block {cfg['block_size']}, "
+          f"Markov rank {cfg['markov_rank']}, target layers {cfg['target_layer_ids']}) to {res['out']} "
+          f"(config.json, model.safetensors, README.md)")
+    print(f"time: {tm['total_s']:.0f} s (" + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in tm.items()
+                                                    if k != "total_s") + ")")
+    print(f"held-out on {res['meta']['heldout_prompts']} prompts ({ev['blocks'][0]} blocks): loss {init['loss']:.3f} "
+          f"at init -> {ev['loss']:.3f}; slot k drafts token a+k+1:")
+    for k in range(len(ev["acceptance"])):
+        print(f"  slot {k + 1}: acceptance estimate {ev['acceptance'][k]:.3f}  cumulative {ev['cumulative'][k]:.3f}  "
+              f"greedy {ev['greedy_acceptance'][k]:.3f}  STS T {res['sts']['temperatures'][k]:.2f}")
+    print(f"tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}; {init['tau']:.3f} at init)")
     return 0
 
 

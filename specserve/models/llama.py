@@ -106,17 +106,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, min(cfg.max_position_embeddings, 4096), cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, aux_layers=()):
-        """input_ids, positions [B, Q] -> (final normed hidden [B, Q, d], [outputs of ``aux_layers``]).
+        """input_ids, positions [B, Q] -> (final normed hidden [B, Q, d], [outputs of ``aux_layers``, in
+        that order]).
 
         The output of decoder layer i is HF's ``hidden_states[i + 1]`` (pre-norm residual stream)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        aux = []
+        kept = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, ctx)
             if aux_layers and i in aux_layers:
-                aux.append(h)
-        return self.model.norm(h), aux
+                kept[i] = h
+        return self.model.norm(h), [kept[i] for i in aux_layers]  # in the order asked for
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden)

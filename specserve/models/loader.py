@@ -86,6 +86,19 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return out
 
 
+def read_json_object(f: Path, missing_ok: bool = False) -> dict:
+    """A JSON object from ``f`` ({} for a missing file when ``missing_ok``); errors name the file."""
+    if missing_ok and not f.is_file():
+        return {}
+    try:
+        out = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: cannot parse: {e}") from e
+    if not isinstance(out, dict):
+        raise CheckpointError(f"{f}: expected a JSON object")
+    return out
+
+
 def read_config(model_dir: Path) -> ModelConfig:
     try:
         raw = json.loads((model_dir / "config.json").read_text())

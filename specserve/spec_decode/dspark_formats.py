@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import UnsupportedModelError, _rope_scaling
-from specserve.models.loader import CheckpointError
+from specserve.models.loader import CheckpointError, read_json_object
 from specserve.spec_decode.dspark_model import DSparkConfig, d2t_from_t2d, expected_state_shapes
 
 __all__ = ["load_dspark_checkpoint", "detect_format", "SUPPORTED_FORMATS"]
@@ -345,13 +345,7 @@ def _draft_to_target(d: Path, cfg: DSparkConfig, t2d, d2t) -> torch.Tensor:
 
 
 def _read_json(f: Path) -> dict:
-    try:
-        out = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: cannot parse: {e}") from e
-    if not isinstance(out, dict):
-        raise CheckpointError(f"{f}: expected a JSON object")
-    return out
+    return read_json_object(f, missing_ok=False)
 
 
 def _read_weights(d: Path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 import torch
 
-from specserve.models.loader import CheckpointError
+from specserve.models.loader import CheckpointError, read_json_object
 from specserve.spec_decode.medusa_heads import FORMAT, MedusaConfig
 
 __all__ = ["load_medusa_checkpoint", "SUPPORTED_FORMATS"]
@@ -376,15 +376,7 @@ def _assemble(p: Path, entries: Entries, hidden_size: int, vocab_size: int, decl
 
 
 def _read_json(f: Path) -> dict:
-    if not f.is_file():
-        return {}
-    try:
-        out = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: cannot parse: {e}") from e
-    if not isinstance(out, dict):
-        raise CheckpointError(f"{f}: expected a JSON object")
-    return out
+    return read_json_object(f, missing_ok=True)
 
 
 def _dir_weight_files(d: Path) -> list[Path]:

@@ -33,9 +33,6 @@ MASK = 49
 THETA = 10000.0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 def target_cfg(**kw) -> ModelConfig:

@@ -54,3 +54,21 @@ def test_bf16_close_to_fp32(tiny_llama):
     b = ModelRunner(tiny_llama, dtype="bfloat16").forward(0, [PROMPTS[0]], [0], "all").logits
     assert b.dtype == torch.float32  # logits are returned in float32 whatever the weights
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+def test_aux_layers_match_hf_hidden_states_in_requested_order(tiny_llama):
+    """Layer outputs come back in the order asked for; output of layer i is HF's hidden_states[i + 1]."""
+    from specserve.layers.attention import ForwardContext
+
+    ref = hf_model(tiny_llama)
+    runner = ModelRunner(tiny_llama, dtype="float32")
+    ids = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        _, aux = runner.model(ids, pos, ForwardContext(kv=None), aux_layers=(1, 0))
+    with torch.no_grad():
+        hs = ref(ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(aux[1], hs[1], atol=1e-4)
+    # layer 1 is the last one: HF's last hidden state is after the final norm, ours before it
+    with torch.inference_mode():
+        assert torch.allclose(runner.model.model.norm(aux[0]), hs[2], atol=1e-4)

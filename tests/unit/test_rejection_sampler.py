@@ -15,13 +15,6 @@ from specserve.sample.rejection_sampler import PLACEHOLDER, accepted_counts, par
 from specserve.sample.sampler import SamplingBatch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny; intra-op threads only add contention on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_sb(params: list[SamplingParams], seeds: list[int] | None = None) -> SamplingBatch:

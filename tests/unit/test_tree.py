@@ -14,12 +14,6 @@ from specserve.sample.sampler import SamplingBatch
 from specserve.sample.tree import TreeBuffers, tree_tokens_from_candidates, verify_tree_greedy, verify_tree_sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def sb_row(seed: int = 0, **kw) -> SamplingBatch:

