@@ -307,11 +307,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Plain decoding, then lossless Medusa drafting, on the same chat prompt: same text, tokens/s, tau."""
+    """Plain decoding, then lossless Medusa and DSpark drafting, on the same chat prompt: same text,
+    tokens/s and mean acceptance length (tau) of each."""
     from specserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
-    runs = [("plain decoding", None), ("Medusa (shipped heads, lossless)", {"method": "medusa"})]
+    runs = [("plain decoding", None), ("Medusa (shipped heads, lossless)", {"method": "medusa"}),
+            ("DSpark (shipped drafter, lossless)", {"method": "dspark"})]
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
@@ -334,11 +336,14 @@ def cmd_demo(args) -> int:
                   f"mean acceptance length {tau:.2f}")
         finally:
             llm.shutdown()
-    (_, base_ids, base_tps, _), (_, spec_ids, spec_tps, tau) = results
-    same = "identical" if base_ids == spec_ids else "DIFFERENT (a bug: please report it)"
-    print(f"\nMedusa vs plain: {spec_tps / base_tps:.2f}x decoding speed, tau {tau:.2f}, text {same}")
+    _, base_ids, base_tps, _ = results[0]
+    print()
+    for title, ids, tps, tau in results[1:]:
+        same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
+        print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
+              f"mean acceptance length {tau:.2f}, text {same}")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,hf,ngram,medusa,medusa-tree")
+          "specserve bench --methods none,hf,ngram,medusa,medusa-tree,dspark,dflash")
     return 0
 
 

@@ -1,8 +1,8 @@
 """DSpark / DFlash drafting: a block drafter conditioned on target hidden states of several layers
 (KV injection), with DSpark's Markov head correcting each draft by the one chosen before it.
 
-speculative_config keys: ``model`` (a DeepSpec, speculators or z-lab checkpoint; required until a
-drafter ships for the default model), ``num_speculative_tokens`` (<= the block's drafts),
+speculative_config keys: ``model`` (a DeepSpec, speculators or z-lab checkpoint; default: the drafter
+shipped for the default model in ``specserve/checkpoints/{dspark,dflash}-smollm2-135m``), ``num_speculative_tokens`` (<= the block's drafts),
 ``draft_sample_method``: ``"greedy"`` (argmax of the Markov-corrected logits, verified with the
 one-hot rule) or ``"probabilistic"`` (each draft sampled from the corrected distribution at the
 request's temperature, its exact q kept for rejection sampling), and ``dspark_verify``: ``"full"``
@@ -16,11 +16,15 @@ for the drafter yet, and no cost-model ("auto") scheduling yet.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
 class DSparkProposer(Proposer):
@@ -30,7 +34,10 @@ class DSparkProposer(Proposer):
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
                  confidence_threshold: float = 0.5):
         if model is None:
-            raise ValueError("method 'dspark'/'dflash' needs a drafter checkpoint: speculative_config['model']")
+            model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
+            if not model.exists():
+                raise ValueError(f"method {self.name!r} needs a drafter checkpoint: speculative_config['model'] "
+                                 "(none is shipped for it)")
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
         if dspark_verify not in ("full", "threshold"):
@@ -61,6 +68,8 @@ class DSparkProposer(Proposer):
         if k > cfg.num_drafts:
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the drafter's {cfg.num_drafts} drafts per block")
         self.num_speculative_tokens = k
+        conf = json.loads((self.model_path / "config.json").read_text()) if self.model_path.is_dir() else {}
+        self.conf_temps = conf.get("confidence_temperatures")  # STS calibration, one per position
         self.embed = target.model.model.embed_tokens
         self.logits_fn = target.model.compute_logits
         self.vocab_size = target.config.vocab_size
@@ -99,7 +108,7 @@ class DSparkProposer(Proposer):
                                        self.logits_fn, temperature=temp, generator=s.generator, num_drafts=k)
             toks = [int(t) for t in blk.tokens][:k]
             if self.verify_mode == "threshold" and blk.confidences is not None:
-                conf = [float(c) for c in blk.confidences][: len(toks)]
+                conf = self._calibrated(blk.confidences[: len(toks)])
                 cut = next((i for i, c in enumerate(conf) if c < self.threshold), len(toks))
                 toks = toks[:cut]
             chains.append(toks)
@@ -112,6 +121,14 @@ class DSparkProposer(Proposer):
                 if p is not None and len(p):
                     draft_probs[b, : p.shape[0]] = p.float()
         return Proposal(chains, draft_probs)
+
+
+    def _calibrated(self, c: torch.Tensor) -> list[float]:
+        """Confidences after the checkpoint's sequential temperature scaling (if it has one)."""
+        if not self.conf_temps:
+            return c.float().tolist()
+        t = torch.tensor(self.conf_temps[: len(c)] + [1.0] * max(0, len(c) - len(self.conf_temps)))
+        return torch.sigmoid(torch.logit(c.float().clamp(1e-6, 1 - 1e-6)) / t).tolist()
 
 
 class DFlashProposer(DSparkProposer):

