@@ -312,7 +312,8 @@ def cmd_demo(args) -> int:
     from specserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
-    runs = [("plain decoding", None), ("Medusa (shipped heads, lossless)", {"method": "medusa"}),
+    runs = [("plain decoding", None),
+            ("Medusa (shipped heads, tree sized for this device, lossless)", {"method": "medusa", "medusa_tree": "auto"}),
             ("DSpark (shipped drafter, lossless)", {"method": "dspark"})]
     results = []
     for title, spec in runs:
