@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import Iterator, Sequence as Seq
 
 from specserve.config import EngineConfig, SamplingParams, SpeculativeConfig

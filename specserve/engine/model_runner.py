@@ -9,7 +9,6 @@ the ranks in step."""
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path

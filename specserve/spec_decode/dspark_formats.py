@@ -28,7 +28,6 @@ guess. Every error is a ``CheckpointError`` naming the field or tensor at fault.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

@@ -30,7 +30,6 @@ published FasterDecoding configs say ``medusa_num_heads: 2`` for 5-head checkpoi
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections import Counter

@@ -29,17 +29,16 @@ import json
 import math
 import os
 import platform
-import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, self_distill,
-                                  split_prompts, stderr_log, _model_fingerprint)
+from specserve.train.common import distill_splits, select_prompts
+from specserve.train.data import DataError, _model_fingerprint, default_cache_dir, stderr_log
 
 IGNORE = -100
 TOPK_RECORDED = 10
@@ -348,19 +347,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
 
     # -- prompts
     t = time.perf_counter()
-    if args.prompts_file:
-        train_p, held_p = split_prompts(read_prompts_file(args.prompts_file))
-        data_desc = f"prompts file {args.prompts_file}"
-        import random as _random
-
-        _random.Random(args.seed).shuffle(train_p)
-        train_p, held_p = train_p[: args.num_prompts], held_p[: args.eval_prompts]
-    else:
-        train_p = load_prompts("train", args.num_prompts, args.seed)
-        held_p = load_prompts("heldout", args.eval_prompts, args.seed)
-        data_desc = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
-    if not train_p or not held_p:
-        raise DataError(f"need at least one training and one held-out prompt, got {len(train_p)} and {len(held_p)}")
+    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
     timings["prompts_s"] = time.perf_counter() - t
 
     # -- self-distillation
@@ -372,10 +359,9 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     log(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({model_dir}), generation dtype {gen_dtype}; "
         f"{len(train_p)} training + {len(held_p)} held-out prompts, max {args.max_tokens} tokens, "
         f"temperature {args.temperature}")
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, batch_size=args.gen_batch_size,
-              seed=args.seed, chat=args.chat, cache_dir=cache_dir, log=log)
-    train_s = self_distill(llm, train_p, **kw)
-    held_s = self_distill(llm, held_p, **{**kw, "seed": args.seed + 1_000_003})
+    train_s, held_s = distill_splits(llm, train_p, held_p, max_tokens=args.max_tokens, temperature=args.temperature,
+                                     batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
+                                     cache_dir=cache_dir, log=log)
     runner = llm.engine.runner
     llm_kept = runner.dtype == torch.float32 and args.gen_dtype in ("auto", "float32", "fp32")
     if not llm_kept:
