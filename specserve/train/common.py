@@ -1,28 +1,20 @@
-"""Pieces shared by the drafter trainers (``specserve.train.dspark``; the same rules as
-``specserve.train.medusa``, which keeps its own inline copy of the prompt selection).
+"""Pieces shared by the drafter trainers (``specserve.train.medusa`` and ``specserve.train.dspark``).
 
-- ``select_prompts``: the training and held-out prompts (chitchat or a prompts file), with exactly
-  the Medusa trainer's split, seed and truncation, so both trainers see the same prompts.
+- ``select_prompts``: the training and held-out prompts (chitchat or a prompts file), with the same
+  split, seed and truncation for both trainers, so both see the same prompts.
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
-  with the Medusa trainer's seed offset, so the cached generations are shared between trainers).
+  with a fixed seed offset, so the cached generations are shared between trainers).
 - ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
   generation engine's own when it already runs in float32).
-- ``cached_torch``: a ``torch.save`` disk cache keyed by a JSON-able key.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, self_distill,
-                                  split_prompts)
+from specserve.train.data import DataError, load_prompts, read_prompts_file, self_distill, split_prompts
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
@@ -69,30 +61,3 @@ def float32_runner(llm, gen_dtype_arg: str):
     model_dir = llm.engine.model_dir
     llm.shutdown()
     return ModelRunner(model_dir, dtype="float32", max_num_seqs=1), False
-
-
-def cache_key(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object], log=None, what: str = "data"):
-    """``compute()`` through a ``torch.save`` file ``{cache_dir}/{prefix}-{key}.pt`` (``cache_dir``
-    None: the default cache, False: no cache). A corrupt file is recomputed."""
-    f = None
-    if cache_dir is not False:
-        f = Path(cache_dir or default_cache_dir()) / f"{prefix}-{cache_key(key_obj)}.pt"
-        if f.exists():
-            try:
-                data = torch.load(f, weights_only=True)
-                if log:
-                    log(f"{what}: cached, from {f}")
-                return data
-            except Exception:  # noqa: BLE001 - a partial / corrupt file: recompute
-                pass
-    data = compute()
-    if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".tmp{os.getpid()}")
-        torch.save(data, tmp)
-        tmp.replace(f)
-    return data

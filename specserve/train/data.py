@@ -39,7 +39,9 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+import torch
 
 HELDOUT_FRACTION = 0.10
 MIN_WORDS = 6
@@ -198,30 +200,21 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
     request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
     ``~/.cache/specserve/train``) under a key of the model, prompts and every argument; pass
     ``cache_dir=False`` to disable the cache."""
-    import torch
-
-    from specserve.config import SamplingParams
-
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     tok = llm.tokenizer
     ids = [prompt_token_ids(tok, p, chat) for p in prompts]
     engine = llm.engine
     dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
-    key_src = json.dumps({"v": 1, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "ids": ids,
-                          "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}, sort_keys=True)
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
-    cache_file = None
-    if cache_dir is not False:
-        cache_file = Path(cache_dir or default_cache_dir()) / f"distill-{key}.pt"
-        if cache_file.exists():
-            try:
-                data = torch.load(cache_file, weights_only=True)
-                if log:
-                    log(f"self-distillation: {len(data)} cached sequences from {cache_file}")
-                return data
-            except Exception:  # a partial / corrupt file: regenerate
-                pass
+    key = {"v": 1, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "ids": ids,
+           "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}
+    return cached_torch(cache_dir, "distill", key, lambda: _generate(llm, prompts, ids, max_tokens, temperature,
+                                                                      batch_size, seed, log), log, "self-distillation")
+
+
+def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log) -> list[dict]:
+    from specserve.config import SamplingParams
+
     out = []
     t0 = time.perf_counter()
     for b in range(0, len(ids), batch_size):
@@ -237,12 +230,34 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
             dt = time.perf_counter() - t0
             log(f"self-distillation: {len(out)}/{len(ids)} prompts, {n_tok} tokens, {dt:.0f} s "
                 f"({n_tok / max(dt, 1e-9):.0f} tok/s)")
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        torch.save(out, tmp)
-        tmp.replace(cache_file)
     return out
+
+
+def cache_key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object], log=None, what: str = "data"):
+    """``compute()`` through a ``torch.save`` file ``{cache_dir}/{prefix}-{key}.pt`` (``cache_dir``
+    None: the default cache, False: no cache). A corrupt file is recomputed."""
+    f = None
+    if cache_dir is not False:
+        f = Path(cache_dir or default_cache_dir()) / f"{prefix}-{cache_key(key_obj)}.pt"
+        if f.exists():
+            try:
+                data = torch.load(f, weights_only=True)
+                if log:
+                    log(f"{what}: cached, from {f}")
+                return data
+            except Exception:  # noqa: BLE001 - a partial / corrupt file: recompute
+                pass
+    data = compute()
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(f".tmp{os.getpid()}")
+        torch.save(data, tmp)
+        tmp.replace(f)
+    return data
 
 
 def stderr_log(msg: str) -> None:

@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import cached_torch, distill_splits, float32_runner, select_prompts
-from specserve.train.data import DataError, _model_fingerprint, default_cache_dir, stderr_log
+from specserve.train.common import distill_splits, float32_runner, select_prompts
+from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
 from specserve.train.medusa import _bar, _cosine, round_to_bf16_, target_lm_head
 
 IGNORE = -100

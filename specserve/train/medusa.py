@@ -24,10 +24,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 import platform
 import sys
 import time
@@ -38,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.train.common import distill_splits, select_prompts
-from specserve.train.data import DataError, _model_fingerprint, default_cache_dir, stderr_log
+from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
 
 IGNORE = -100
 TOPK_RECORDED = 10
@@ -129,27 +126,14 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
 
 def cached_hidden_states(model, model_dir, samples, cache_dir, log=None, progress=False) -> list[torch.Tensor]:
     """``compute_hidden_states`` through a disk cache keyed by the model and the sequences."""
-    key_src = json.dumps({"v": 1, "model": _model_fingerprint(Path(model_dir)),
-                          "ids": [s["ids"] for s in samples]})
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
-    f = None
-    if cache_dir is not False:
-        f = Path(cache_dir or default_cache_dir()) / f"hidden-{key}.pt"
-        if f.exists():
-            try:
-                d = torch.load(f, weights_only=True)
-                if log:
-                    log(f"hidden states: cached, {d['flat'].shape[0]} positions from {f}")
-                return list(torch.split(d["flat"], d["lengths"]))
-            except Exception:
-                pass
-    hs = compute_hidden_states(model, samples, progress=progress)
-    if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"flat": torch.cat(hs) if hs else torch.zeros(0), "lengths": [len(h) for h in hs]}, tmp)
-        tmp.replace(f)
-    return hs
+    key = {"v": 1, "model": _model_fingerprint(Path(model_dir)), "ids": [s["ids"] for s in samples]}
+
+    def compute():
+        hs = compute_hidden_states(model, samples, progress=progress)
+        return {"flat": torch.cat(hs) if hs else torch.zeros(0), "lengths": [len(h) for h in hs]}
+
+    d = cached_torch(cache_dir, "hidden", key, compute, log, "hidden states")
+    return list(torch.split(d["flat"], d["lengths"]))
 
 
 # ---- examples -----------------------------------------------------------------------------------------
