@@ -56,6 +56,28 @@ def speculative_config_from_args(args) -> dict | None:
     return cfg
 
 
+def _add_train_data_args(m: argparse.ArgumentParser) -> None:
+    """The data and run options every drafter trainer takes (same prompts, cache and defaults)."""
+    m.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
+                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
+    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
+    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
+                   help="held-out prompts to evaluate (and calibrate) on (default max(8, num_prompts/10))")
+    m.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="response tokens per prompt at most (default 128)")
+    m.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the self-distillation (default 0 = greedy)")
+    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
+    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
+                   help="requests generated together during self-distillation (default 16)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    m.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where generated sequences and target features are cached (default ~/.cache/specserve/train)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve",
                                      description="Lossless speculative decoding for LLM inference.")
@@ -135,29 +157,11 @@ def _add_train_medusa_parser(tsub) -> None:
     m.add_argument("--own-lm-head", action="store_true",
                    help="give each head its own trainable lm_head (initialised from the target's); "
                         "default: share the target's frozen lm_head")
-    m.add_argument("--prompts", default=None, metavar="FILE",
-                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
-                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
-    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
-    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
-                   help="held-out prompts to evaluate on (default max(8, num_prompts/10))")
-    m.add_argument("--max-tokens", type=_positive_int, default=128,
-                   help="response tokens per prompt at most (default 128)")
-    m.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of the self-distillation (default 0 = greedy)")
-    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
     m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the positions (default 2)")
     m.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
     m.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of the steps (default 0.1)")
     m.add_argument("--batch-size", type=_positive_int, default=256, help="positions per step (default 256)")
-    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
-                   help="requests generated together during self-distillation (default 16)")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    m.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where generated sequences and hidden states are cached "
-                        "(default ~/.cache/specserve/train)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_train_data_args(m)
     m.set_defaults(func=cmd_train_medusa)
 
 
@@ -199,30 +203,12 @@ def _add_train_dspark_parser(tsub) -> None:
                    help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
     m.add_argument("--anchors-per-seq", type=_positive_int, default=16,
                    help="random anchor positions (blocks) per sequence per epoch (default 16)")
-    m.add_argument("--prompts", default=None, metavar="FILE",
-                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
-                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
-    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
-    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
-                   help="held-out prompts to evaluate and calibrate on (default max(8, num_prompts/10))")
-    m.add_argument("--max-tokens", type=_positive_int, default=128,
-                   help="response tokens per prompt at most (default 128)")
-    m.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of the self-distillation (default 0 = greedy)")
-    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
     m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the sequences (default 2)")
     m.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (default 6e-4)")
     m.add_argument("--warmup", type=float, default=0.04, help="linear warm-up, fraction of the steps (default 0.04)")
     m.add_argument("--batch-size", type=_positive_int, default=8,
                    help="sequences per step, each with --anchors-per-seq blocks (default 8)")
-    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
-                   help="requests generated together during self-distillation (default 16)")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    m.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where generated sequences and target features are cached "
-                        "(default ~/.cache/specserve/train)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_train_data_args(m)
     m.set_defaults(func=cmd_train_dspark)
 
 
