@@ -201,6 +201,9 @@ def _add_train_dspark_parser(tsub) -> None:
                    help="how many layers 'auto' picks (default 5)")
     m.add_argument("--mask-token-id", type=_nonneg_int, default=None,
                    help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
+    m.add_argument("--draft-vocab-size", type=_nonneg_int, default=0,
+                   help="a pruned draft vocabulary: the N most frequent response tokens with the drafter's own "
+                        "lm_head (saved in speculators format); 0 = the target's vocabulary (default)")
     m.add_argument("--anchors-per-seq", type=_positive_int, default=16,
                    help="random anchor positions (blocks) per sequence per epoch (default 16)")
     m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the sequences (default 2)")
@@ -371,7 +374,7 @@ def cmd_train_dspark(args) -> int:
         out=args.out, model=args.model, num_layers=args.num_layers, block_size=args.block_size,
         markov_rank=args.markov_rank, markov_head_type=args.markov_head_type, target_layer_ids=args.target_layer_ids,
         num_target_layers=args.num_target_layers, mask_token_id=args.mask_token_id,
-        anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        draft_vocab_size=args.draft_vocab_size, anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,

@@ -196,7 +196,7 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
                  log=None) -> list[dict]:
     """The target writes its own responses to ``prompts``: ``[{"prompt", "ids", "prompt_len"}]``, where
     ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
-    ``llm.generate`` with ``batch_size`` requests per call. ``temperature`` 0 is greedy; otherwise
+    ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching). ``temperature`` 0 is greedy; otherwise
     request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
     ``~/.cache/specserve/train``) under a key of the model, prompts and every argument; pass
     ``cache_dir=False`` to disable the cache."""
@@ -217,12 +217,13 @@ def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log)
 
     out = []
     t0 = time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        chunk = ids[b : b + batch_size]
+    per_call = 8 * batch_size  # the engine keeps batch_size running (max_num_seqs); a log line per call
+    for b in range(0, len(ids), per_call):
+        chunk = ids[b : b + per_call]
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                  seed=(seed + b + i) if temperature > 0 else None) for i in range(len(chunk))]
         res = llm.generate([{"prompt_token_ids": x} for x in chunk], params, use_tqdm=False)
-        for p, x, r in zip(prompts[b : b + batch_size], chunk, res):
+        for p, x, r in zip(prompts[b : b + per_call], chunk, res):
             out.append({"prompt": p if isinstance(p, str) else json.dumps(p), "ids": list(x) + list(r.outputs[0].token_ids),
                         "prompt_len": len(x)})
         if log:

@@ -36,7 +36,13 @@
    the labels ``prod_{i<=j} c*_i``. Stored in ``config.json`` as ``confidence_temperatures``: a
    proposer that wants calibrated confidences divides slot k's confidence logit by ``T_k`` (the
    engine's proposer currently uses the raw head).
-6. **Checkpoint** (DeepSpec format, read by ``load_dspark_checkpoint``): ``config.json`` (the
+6. **Draft vocabulary** (``--draft-vocab-size N``, default 0 = the target's): the N most frequent
+   tokens of the training responses, with the drafter's own lm_head over them (initialised from the
+   target's rows and trained) and ``d2t``. Drafting then costs an [N, d] GEMM instead of [V, d]. The
+   loss is computed in draft space: CE where the label is in the vocabulary, TV against the target's
+   full distribution (its mass outside the draft vocabulary counts as disagreement) from the draft
+   rows and a once-computed full-vocabulary log-sum-exp per position. Saved in speculators format.
+7. **Checkpoint** (DeepSpec format, read by ``load_dspark_checkpoint``): ``config.json`` (the
    target's architecture fields + ``architectures: ["Qwen3DSparkModel"]``, ``num_hidden_layers`` =
    draft depth, ``num_target_layers``, ``block_size``, ``mask_token_id``, ``target_layer_ids``,
    ``num_anchors``, ``markov_*``, ``enable_confidence_head``, ``confidence_head_with_markov``,
@@ -83,6 +89,7 @@ class DSparkTrainArgs:
     target_layer_ids: str | list[int] = "auto"
     num_target_layers: int = DEFAULT_NUM_TARGET_LAYERS  # how many layers "auto" picks
     mask_token_id: int | None = None  # default: vocab_size - 1
+    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else the most frequent response tokens
     anchors_per_seq: int = 16
     prompts_file: str | None = None
     num_prompts: int = 400
@@ -114,6 +121,8 @@ class DSparkTrainArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the target's vocabulary), got {self.draft_vocab_size}")
         from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES
 
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -238,10 +247,12 @@ def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=
 
 # ---- the drafter ----------------------------------------------------------------------------------------
 def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[int], mask_token_id: int,
-                   markov_rank: int, markov_head_type: str = "vanilla"):
+                   markov_rank: int, markov_head_type: str = "vanilla", draft_vocab_size: int = 0):
     """A DSpark (anchor-first) drafter for the target ``tcfg`` (a ``ModelConfig``): the target's
     hidden size, head layout, MLP width, norm eps and RoPE, ``num_layers`` draft layers, a
-    confidence head (reading ``W1[x_{k-1}]`` too when there is a Markov head)."""
+    confidence head (reading ``W1[x_{k-1}]`` too when there is a Markov head). ``draft_vocab_size``
+    0 (or >= the target's): the target's vocabulary and lm_head; else a pruned draft vocabulary with
+    the drafter's own lm_head and ``d2t`` (set by ``set_draft_vocab_``)."""
     from specserve.spec_decode.dspark_model import DSparkConfig
 
     return DSparkConfig(
@@ -251,7 +262,54 @@ def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[in
         rope_theta=tcfg.rope_theta, rope_scaling=tcfg.rope_scaling, target_layer_ids=list(layer_ids),
         block_size=block_size, mask_token_id=mask_token_id, sample_from_anchor=True, markov_rank=markov_rank,
         markov_head_type=markov_head_type, enable_confidence_head=True, confidence_head_with_markov=markov_rank > 0,
-        vocab_size=tcfg.vocab_size, draft_vocab_size=tcfg.vocab_size, source_format="specserve train dspark")
+        vocab_size=tcfg.vocab_size,
+        draft_vocab_size=draft_vocab_size if 0 < draft_vocab_size < tcfg.vocab_size else tcfg.vocab_size,
+        source_format="specserve train dspark")
+
+
+def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the responses (ties and unseen tokens: lowest id first),
+    as target ids in increasing order [size] long: the draft vocabulary (``t2d``'s true rows)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in samples:
+        resp = torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long)
+        counts.index_add_(0, resp, torch.ones(resp.numel(), dtype=torch.float64))
+    score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)  # ties: lower id
+    return score.topk(size).indices.sort().values
+
+
+def set_draft_vocab_(drafter, vocab_ids: torch.Tensor, lm_w: torch.Tensor) -> None:
+    """Point a pruned drafter at the draft vocabulary ``vocab_ids`` (sorted target ids): ``d2t`` offsets
+    and its lm_head initialised from those rows of the target's lm_head ``lm_w`` [V, d]."""
+    with torch.no_grad():
+        drafter.d2t.copy_(vocab_ids - torch.arange(vocab_ids.numel()))
+        drafter.lm_head.weight.copy_(lm_w[vocab_ids].to(drafter.lm_head.weight.dtype))
+
+
+def draft_vocab_ids(drafter) -> torch.Tensor | None:
+    """The target ids of a pruned drafter's draft vocabulary [V_draft] (None: the full vocabulary)."""
+    if drafter.d2t is None:
+        return None
+    return torch.arange(drafter.d2t.numel()) + drafter.d2t
+
+
+def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, samples: list[dict],
+               chunk: int = 2048) -> list[torch.Tensor]:
+    """log-sum-exp over the whole target vocabulary of the target's logits at the response positions of
+    every sequence ([T] per sequence, 0 before ``prompt_len``; from its final hidden states): with it,
+    a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head."""
+    out = []
+    with torch.no_grad():
+        for (_, fin), smp in zip(feats, samples):
+            lse = torch.zeros(fin.shape[0])
+            lo = min(int(smp["prompt_len"]), fin.shape[0])
+            for a in range(lo, fin.shape[0], chunk):
+                b = min(a + chunk, fin.shape[0])
+                lse[a:b] = torch.logsumexp(F.linear(fin[a:b].float(), lm_w, lm_b).float(), dim=-1)
+            out.append(lse)
+    return out
 
 
 def init_drafter_(drafter, std: float = 0.02) -> None:
@@ -336,7 +394,8 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
     """items: [(sequence index, anchor positions [n])] -> the padded batch tensors: ``feats``
     [S, T, m*d] float32, ``anchors`` [S, N], ``block_ids`` [S, N, G], ``labels`` [S, N, G] (IGNORE
     past the sequence end and for padding blocks), ``target_hidden`` [S, N, G, d] (the target's final
-    hidden state at a+k, which predicts the label a+k+1)."""
+    hidden state at a+k, which predicts the label a+k+1) and, when ``feats[i]`` carries a third entry
+(``target_lse``), ``target_lse`` [S, N, G]: the log-sum-exp of the target's logits there."""
     S = len(items)
     N = max(len(a) for _, a in items)
     T = max(len(samples[i]["ids"]) for i, _ in items)
@@ -347,10 +406,12 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
     block_ids = torch.full((S, N, gamma), int(mask_token_id), dtype=torch.long)
     labels = torch.full((S, N, gamma), IGNORE, dtype=torch.long)
     tgt = torch.zeros(S, N, gamma, d)
+    with_lse = len(feats[items[0][0]]) > 2
+    lse = torch.zeros(S, N, gamma) if with_lse else None
     k = torch.arange(gamma)
     for r, (i, a) in enumerate(items):
         ids = torch.as_tensor(samples[i]["ids"], dtype=torch.long)
-        aux, fin = feats[i]
+        aux, fin = feats[i][0], feats[i][1]
         Ti, n = len(ids), len(a)
         F_[r, :Ti] = aux.float()
         a = torch.as_tensor(a, dtype=torch.long)
@@ -362,14 +423,28 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
         lab[ok] = ids[pos[ok]]
         th = tgt[r, :n]
         th[ok] = fin[pos[ok] - 1]
-    return {"feats": F_, "anchors": anchors, "block_ids": block_ids, "labels": labels, "target_hidden": tgt}
+        if with_lse:
+            lse[r, :n][ok] = feats[i][2][pos[ok] - 1]
+    out = {"feats": F_, "anchors": anchors, "block_ids": block_ids, "labels": labels, "target_hidden": tgt}
+    if with_lse:
+        out["target_lse"] = lse
+    return out
+
+
+def _to_target(draft_ids: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    return draft_ids if vocab_ids is None else vocab_ids[draft_ids]
 
 
 def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tensor, loss_w=(0.1, 0.9, 1.0)) -> dict:
     """Forward + loss of a collated batch. Returns ``loss`` (the weighted mean over valid slots of
     ce_w*CE + tv_w*TV + conf_w*BCE), its parts ``ce``/``tv``/``bce`` (same weighting), and per valid
     slot (flat, in ``valid`` order): ``slot`` (0-based), ``cstar`` (1 - TV), ``conf_logit``, ``hit``
-    (the draft's argmax equals the label), plus ``valid`` [S, N, G]."""
+    (the draft's argmax equals the label), plus ``valid`` [S, N, G].
+
+    A pruned drafter (own lm_head over a draft vocabulary) is scored in draft space: CE only where the
+    label is in the draft vocabulary, and TV against the target distribution over the whole vocabulary
+    (the draft puts no mass outside its vocabulary: that mass, 1 - sum of p over the draft rows, counts
+    fully), from the draft rows of ``lm_w`` and the batch's ``target_lse``."""
     labels, block_ids = batch["labels"], batch["block_ids"]
     hidden = block_hidden(drafter, batch["feats"], batch["anchors"], block_ids, embed_w)  # [S, N, G, d]
     S, N, G, d = hidden.shape
@@ -377,7 +452,15 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
     prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).clamp(min=0)  # teacher forcing
     slot = torch.arange(G).expand(S, N, G)[valid]
     hv, y, pv = hidden[valid], labels[valid], prev[valid]
-    logits = F.linear(hv, lm_w, lm_b).float()
+    vocab_ids = draft_vocab_ids(drafter)
+    if vocab_ids is None:
+        logits = F.linear(hv, lm_w, lm_b).float()
+        y_draft = y
+    else:
+        logits = F.linear(hv, drafter.lm_head.weight).float()
+        t2d = torch.full((lm_w.shape[0],), IGNORE, dtype=torch.long)
+        t2d[vocab_ids] = torch.arange(vocab_ids.numel())
+        y_draft = t2d[y]
     mk = drafter.markov_head
     emb = None
     if mk is not None:
@@ -388,10 +471,16 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
         logits = logits + b.float()
         emb = mk.prev_embeddings(pv)
     with torch.no_grad():
-        p_t = torch.softmax(F.linear(batch["target_hidden"][valid], lm_w, lm_b).float(), dim=-1)
+        if vocab_ids is None:
+            p_t = torch.softmax(F.linear(batch["target_hidden"][valid], lm_w, lm_b).float(), dim=-1)
+            outside = 0.0
+        else:
+            lt = F.linear(batch["target_hidden"][valid], lm_w[vocab_ids], None if lm_b is None else lm_b[vocab_ids])
+            p_t = torch.exp(lt.float() - batch["target_lse"][valid].unsqueeze(-1))
+            outside = (1.0 - p_t.sum(-1)).clamp(min=0.0)
     logp = torch.log_softmax(logits, dim=-1)
-    ce = F.nll_loss(logp, y, reduction="none")
-    tv = 0.5 * (logp.exp() - p_t).abs().sum(-1)
+    ce = F.nll_loss(logp, y_draft, reduction="none", ignore_index=IGNORE)
+    tv = 0.5 * ((logp.exp() - p_t).abs().sum(-1) + outside)
     cstar = (1.0 - tv).detach().clamp(0.0, 1.0)
     ch = drafter.confidence_head
     if ch is not None:
@@ -405,7 +494,7 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
     ce_m, tv_m, bce_m = (w * ce).sum() / W, (w * tv).sum() / W, (w * bce).sum() / W
     loss = loss_w[0] * ce_m + loss_w[1] * tv_m + loss_w[2] * bce_m
     return {"loss": loss, "ce": ce_m.detach(), "tv": tv_m.detach(), "bce": bce_m.detach(), "slot": slot,
-            "cstar": cstar, "conf_logit": conf_logit.detach(), "hit": (logits.argmax(-1) == y).detach(),
+            "cstar": cstar, "conf_logit": conf_logit.detach(), "hit": (_to_target(logits.argmax(-1), vocab_ids) == y).detach(),
             "valid": valid}
 
 
@@ -592,17 +681,16 @@ def fit_sts(conf_logit: torch.Tensor, cstar: torch.Tensor, valid: torch.Tensor, 
 # ---- checkpoint ------------------------------------------------------------------------------------------
 def checkpoint_config(cfg, tcfg, *, num_anchors: int, temperatures: list[float] | None = None,
                       training: dict | None = None) -> dict:
-    """The DeepSpec ``config.json`` of drafter ``cfg`` for target ``tcfg``."""
-    c = {
-        "architectures": ["Qwen3DSparkModel"],
-        "model_type": "qwen3",
+    """The ``config.json`` of drafter ``cfg`` for target ``tcfg``: DeepSpec format, or speculators format
+    (``speculators_model_type: "dspark"``; ``markov_rank: 0`` for a DFlash baseline) for a pruned draft
+    vocabulary, which DeepSpec configs cannot express."""
+    decoder = {
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
-        "num_target_layers": tcfg.num_hidden_layers,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": tcfg.max_position_embeddings,
@@ -610,11 +698,13 @@ def checkpoint_config(cfg, tcfg, *, num_anchors: int, temperatures: list[float] 
         "hidden_act": "silu",
         "attention_bias": False,
         "layer_types": ["full_attention"] * cfg.num_layers,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+    }
+    if cfg.rope_scaling:
+        decoder["rope_scaling"] = dict(cfg.rope_scaling)
+    heads = {
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
-        "target_layer_ids": list(cfg.target_layer_ids),
+        "num_target_layers": tcfg.num_hidden_layers,
         "num_anchors": num_anchors,
         "sample_from_anchor": True,
         "markov_rank": cfg.markov_rank,
@@ -622,8 +712,16 @@ def checkpoint_config(cfg, tcfg, *, num_anchors: int, temperatures: list[float] 
         "enable_confidence_head": cfg.enable_confidence_head,
         "confidence_head_with_markov": cfg.confidence_head_with_markov,
     }
-    if cfg.rope_scaling:
-        c["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.pruned_vocab:
+        c = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+             "transformer_layer_config": {**decoder, "model_type": "qwen3"}, "target_hidden_size": cfg.hidden_size,
+             "draft_vocab_size": cfg.draft_vocab_size, "aux_hidden_state_layer_ids": list(cfg.target_layer_ids),
+             **heads, "torch_dtype": "bfloat16",
+             "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                    "speculative_tokens": cfg.num_drafts}}
+    else:
+        c = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **decoder, "tie_word_embeddings": False,
+             "torch_dtype": "bfloat16", "target_layer_ids": list(cfg.target_layer_ids), **heads}
     if temperatures is not None:
         c["confidence_temperatures"] = [round(float(t), 6) for t in temperatures]
     if training is not None:
@@ -718,11 +816,26 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
 
     # -- the drafter
     cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
-                         mask_token_id=mask_id, markov_rank=args.markov_rank, markov_head_type=args.markov_head_type)
+                         mask_token_id=mask_id, markov_rank=args.markov_rank, markov_head_type=args.markov_head_type,
+                         draft_vocab_size=args.draft_vocab_size)
     cfg.validate(tcfg)
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(cfg, dtype=torch.float32)
     init_drafter_(drafter)
+    vocab_cover = 1.0
+    if cfg.pruned_vocab:  # own lm_head over the most frequent response tokens; full-vocab log-sum-exp once
+        t = time.perf_counter()
+        vocab_ids = select_draft_vocab(train_s, tcfg.vocab_size, cfg.draft_vocab_size)
+        set_draft_vocab_(drafter, vocab_ids, lm_w)
+        inside = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        inside[vocab_ids] = True
+        resp = torch.cat([torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long) for s in held_s])
+        vocab_cover = float(inside[resp].float().mean()) if resp.numel() else 1.0
+        f_train = [(a, h, l) for (a, h), l in zip(f_train, target_lse(lm_w, lm_b, f_train, train_s))]
+        f_held = [(a, h, l) for (a, h), l in zip(f_held, target_lse(lm_w, lm_b, f_held, held_s))]
+        timings["draft_vocab_s"] = time.perf_counter() - t
+        log(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens; they cover "
+            f"{100 * vocab_cover:.2f}% of the held-out response tokens")
     n_params = sum(p.numel() for p in drafter.parameters())
     G = cfg.block_size
     loss_w = (args.ce_weight, args.tv_weight, args.conf_weight)
@@ -776,6 +889,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "loss": {"ce": args.ce_weight, "tv": args.tv_weight, "confidence_bce": args.conf_weight,
                  "slot_weight": f"exp(-(k-1)/{args.loss_decay:g})"},
         "draft_parameters": n_params,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "heldout_draft_vocab_coverage": round(vocab_cover, 5),
         "train_prompts": len(train_s),
         "heldout_prompts": len(held_s),
         "train_response_tokens": n_resp,
@@ -827,16 +942,25 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, init_ev: dict, sts: dict) -> s
         heads = "no Markov head (a DFlash baseline trained with the DSpark recipe) and a confidence head reading h_k"
     sd = meta["self_distillation"]
     chat = "through its chat template, " if sd["chat_template"] else ""
+    if cfg.pruned_vocab:
+        fmt = "speculators format, `speculators_model_type: dspark`"
+        vocab = (f"Draft vocabulary: the {cfg.draft_vocab_size:,} most frequent tokens of the training responses "
+                 f"(`d2t`), covering {100 * meta['heldout_draft_vocab_coverage']:.2f}% of the held-out response "
+                 "tokens, with the drafter's own lm_head over them (initialised from the target's rows, trained); "
+                 "the embedding is the target's (frozen, not stored).")
+    else:
+        fmt = "DeepSpec format, `Qwen3DSparkModel`"
+        vocab = "Embedding and lm_head are the target's (frozen, not stored)."
     return f"""# {method.upper()} drafter for {meta['target_model']}
 
 Generated by `specserve train dspark` (the target is frozen; only the drafter is trained).
 
 - **Command:** `{meta['command']}`
-- **Drafter:** anchor-first block drafter (DeepSpec format, `Qwen3DSparkModel`), {cfg.num_layers} layer(s),
+- **Drafter:** anchor-first block drafter ({fmt}), {cfg.num_layers} layer(s),
   block size {G} (anchor + {G - 1} masks -> {G} drafts), hidden size {cfg.hidden_size}, reading target
   layers {cfg.target_layer_ids}; {heads}.
-  {meta['draft_parameters']:,} trained parameters, stored in bfloat16 (`model.safetensors`). Embedding and
-  lm_head are the target's (frozen, not stored). Mask token: {meta['mask_token']}.
+  {meta['draft_parameters']:,} trained parameters, stored in bfloat16 (`model.safetensors`). {vocab}
+  Mask token: {meta['mask_token']}.
 - **Data:** {meta['data']}.
   The target wrote the responses itself (self-distillation: max {sd['max_tokens']} tokens, temperature
   {sd['temperature']}, {chat}generation dtype {sd['generation_dtype']}); target features from a float32 forward.

@@ -210,11 +210,24 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, 
 
     # a rerun with the same data reuses the cached generations and target features
     logs.clear()
-    args2 = DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "d2"), "epochs": 1, "markov_head_type": "rnn"})
-    train_dspark(args2, log=logs.append)
+    # (an rnn Markov head over a pruned draft vocabulary of 100 tokens: speculators format)
+    args2 = DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "d2"), "epochs": 2, "markov_head_type": "rnn",
+                               "draft_vocab_size": 100})
+    res2 = train_dspark(args2, log=logs.append)
     assert sum("cached" in m for m in logs) == 4, logs
-    lcfg2, _ = load_dspark_checkpoint(tmp_path / "d2", _target_cfg(tiny_llama))
-    assert lcfg2.markov_head_type == "rnn"
+    assert res2["heldout"]["loss"] < res2["heldout_init"]["loss"]
+    cfg2 = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert cfg2["speculators_model_type"] == "dspark" and cfg2["draft_vocab_size"] == 100
+    lcfg2, sd2 = load_dspark_checkpoint(tmp_path / "d2", _target_cfg(tiny_llama))
+    assert lcfg2.markov_head_type == "rnn" and lcfg2.pruned_vocab and lcfg2.sample_from_anchor
+    # the draft vocabulary: the 100 most frequent response tokens, in increasing target-id order
+    vocab = torch.arange(100) + sd2["d2t"]
+    counts = torch.zeros(257)
+    for smp in res2["train_samples"]:
+        counts.index_add_(0, torch.as_tensor(smp["ids"][smp["prompt_len"]:]), torch.ones(len(smp["ids"]) - smp["prompt_len"]))
+    assert bool((vocab[1:] > vocab[:-1]).all())
+    assert counts[vocab].min() >= counts[[i for i in range(257) if i not in set(vocab.tolist())]].max()
+    _greedy_identical(tiny_llama, tmp_path / "d2", "dspark")
 
 
 def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
