@@ -4,7 +4,9 @@ chunk for prefill) at its own position.
 
 Under tensor parallelism the driver (rank 0) holds a ``TPRunner`` that forwards each call to worker
 processes (one ``ModelRunner`` each) before running it itself; the collectives inside the forward keep
-the ranks in step."""
+the ranks in step. A drafter that must run on every rank (one that uses the target's sharded embedding
+or lm_head, or shards a head of its own) is attached as a rank-local *helper* (``attach``) and driven
+through ``call_helper``, which runs on all ranks and returns the driver's result."""
 
 from __future__ import annotations
 
@@ -69,6 +71,24 @@ class ModelRunner:
         cfg = self.config
         self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
                           self.dtype, device)
+        self.max_num_seqs = max_num_seqs
+        self.helpers: dict[str, object] = {}
+
+    # ---- rank-local helpers (drafters that run on every rank) ------------------------------------
+    def attach(self, name: str, factory, *args, **kwargs) -> None:
+        """Build ``factory(self, *args, **kwargs)`` next to this rank's model, as helper ``name``."""
+        self.helpers[name] = factory(self, *args, **kwargs)
+
+    def call_helper(self, name: str, method: str, *args, **kwargs):
+        return getattr(self.helpers[name], method)(*args, **kwargs)
+
+    def helper(self, name: str):
+        """The driver's own instance of helper ``name``."""
+        return self.helpers[name]
+
+    def helper_report(self, name: str, method: str, *args, **kwargs) -> list:
+        """``method`` of helper ``name`` run on every rank: the results of all ranks, rank order."""
+        return [self.call_helper(name, method, *args, **kwargs)]
 
     # ---- the one forward ------------------------------------------------------------------
     @torch.inference_mode()
@@ -139,6 +159,9 @@ class ModelRunner:
 
 # ---- tensor parallelism over processes ----------------------------------------------------------
 
+_REPLYING = ("collective_counts", "helper_report")  # calls whose worker results go back to the driver
+
+
 def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn):
     torch.set_num_threads(threads)
     try:
@@ -155,8 +178,8 @@ def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, thread
         name, args, kwargs = msg
         try:
             out = getattr(runner, name)(*args, **kwargs)
-            if name == "collective_counts":
-                conn.send(out)
+            if name in _REPLYING:
+                conn.send(out[0] if name == "helper_report" else out)
         except BaseException:
             traceback.print_exc()
             os._exit(1)
@@ -196,6 +219,7 @@ class TPRunner:
             self.shutdown()
             raise
         self.config, self.dtype, self.tp = self.local.config, self.local.dtype, self.local.tp
+        self.max_num_seqs = max_num_seqs
         self.model_dir = self.local.model_dir
 
     def _call(self, name, *args, **kwargs):
@@ -212,6 +236,21 @@ class TPRunner:
 
     def compact(self, *args):
         return self._call("compact", *args)
+
+    def attach(self, name, factory, *args, **kwargs) -> None:
+        """Build the helper on every rank (``factory`` must be importable by name: it is pickled)."""
+        self._call("attach", name, factory, *args, **kwargs)
+
+    def call_helper(self, name, method, *args, **kwargs):
+        """Run ``method`` of helper ``name`` on every rank; the driver's result is returned."""
+        return self._call("call_helper", name, method, *args, **kwargs)
+
+    def helper(self, name: str):
+        return self.local.helpers[name]
+
+    def helper_report(self, name, method, *args, **kwargs) -> list:
+        local = self._call("helper_report", name, method, *args, **kwargs)
+        return local + [c.recv() for c in self.conns]
 
     def collective_counts(self) -> list[dict]:
         local = self._call("collective_counts")

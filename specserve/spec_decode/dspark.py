@@ -2,29 +2,145 @@
 (KV injection), with DSpark's Markov head correcting each draft by the one chosen before it.
 
 speculative_config keys: ``model`` (a DeepSpec, speculators or z-lab checkpoint; default: the drafter
-shipped for the default model in ``specserve/checkpoints/{dspark,dflash}-smollm2-135m``), ``num_speculative_tokens`` (<= the block's drafts),
-``draft_sample_method``: ``"greedy"`` (argmax of the Markov-corrected logits, verified with the
-one-hot rule) or ``"probabilistic"`` (each draft sampled from the corrected distribution at the
-request's temperature, its exact q kept for rejection sampling), and ``dspark_verify``: ``"full"``
-(verify every draft) or ``"threshold"`` (verify up to the first draft whose confidence is below
-``confidence_threshold``; the cut depends on confidences only, never on whether drafts will be
-accepted, so it is lossless). Both methods are lossless at any temperature.
+shipped for the default model in ``specserve/checkpoints/{dspark,dflash}-smollm2-135m``),
+``num_speculative_tokens`` (<= the block's drafts), ``draft_sample_method``: ``"greedy"`` (argmax of
+the Markov-corrected logits, verified with the one-hot rule) or ``"probabilistic"`` (each draft sampled
+from the corrected distribution at the request's temperature, its exact q kept for rejection
+sampling), ``dspark_verify``:
 
-Status: one sequence's block per forward (a batch drafts sequence by sequence), no tensor parallelism
-for the drafter yet, and no cost-model ("auto") scheduling yet.
+* ``"full"``: verify every draft;
+* ``"threshold"``: verify up to the first draft whose (calibrated) confidence is below
+  ``confidence_threshold``;
+* ``"auto"``: the cost model: target verification cost per total token count and drafting cost per
+  batch size are measured at start-up on the running device; each step every request's verify length
+  is chosen to maximise expected accepted tokens per second from the survival products of its
+  confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``).
+
+The cut depends on the drafter's confidences only, never on whether drafts will be accepted, so every
+mode is lossless, at any temperature. ``markov_replicate`` (default True) keeps the Markov head whole on
+every tensor-parallel rank (no collective per draft position); False shards it (for comparison).
+
+A batch drafts in one block forward: the sequences' contexts are padded and masked, the base logits are
+one GEMM, the Markov loop runs over the batch. Under tensor parallelism the drafter runs on every rank
+(``DSparkDraftWorker``, attached to each rank's ``ModelRunner``): the block embedding uses the
+target's vocab-parallel embedding (one all-reduce) and the base logits its sharded lm_head (one gather)
+unless the drafter has its own pruned-vocabulary head (replicated, no gather).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 import torch
 
+from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs
 
+log = logging.getLogger("specserve.dspark")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+VERIFY_MODES = ("full", "threshold", "auto")
+PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
+
+
+def _generator(state):
+    if state is None:
+        return None
+    g = torch.Generator()
+    g.set_state(state)
+    return g
+
+
+class DSparkDraftWorker:
+    """The drafter on one rank, next to that rank's ``ModelRunner``: the weights, one ``DraftCache``
+    per running sequence, and batched drafting. Every rank gets the same calls with the same arguments
+    (sampling generators travel as their states), so all ranks draft the same tokens and meet at the
+    same collectives; only the driver's results are used."""
+
+    def __init__(self, runner, model_path: str, markov_replicate: bool = True):
+        from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+        from specserve.spec_decode.dspark_model import DFlashDrafter
+
+        cfg, sd = load_dspark_checkpoint(model_path, runner.config)
+        self.cfg = cfg
+        self.tp = runner.tp
+        self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=runner.dtype, markov_replicate=markov_replicate)
+        self.drafter.load_state(sd)
+        self.drafter.eval().requires_grad_(False)
+        self.embed = runner.model.model.embed_tokens
+        self.logits_fn = runner.model.compute_logits
+        self.caches: dict[int, object] = {}
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, features: torch.Tensor, reset: bool) -> None:
+        """Append the target features [n, m*d] of the positions now kept for ``seq_id`` (the cache holds
+        the committed prefix, so they continue it; ``reset``: a new prompt starts at position 0)."""
+        cache = self.caches.get(seq_id)
+        if cache is None:
+            cache = self.caches[seq_id] = self.drafter.new_cache()
+        if reset:
+            cache.reset()
+        start = len(cache)
+        cache.extend(features, list(range(start, start + features.shape[0])))
+
+    def forget(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, gen_states=None):
+        """One block per sequence, one forward. Returns (``DraftBlock`` with a batch dimension, the
+        generators' states after sampling) on the driver, None elsewhere."""
+        gens = [_generator(st) for st in (gen_states or [None] * len(seq_ids))]
+        blk = self.drafter.propose_batch(anchors, starts, [self.caches[i] for i in seq_ids], self.embed,
+                                         self.logits_fn, temperatures, gens, num_drafts)
+        if not self.tp.is_driver:
+            return None
+        return blk, [None if g is None else g.get_state() for g in gens]
+
+    @torch.inference_mode()
+    def draft_step_collectives(self, batch: int = 2, context: int = 8) -> dict[str, int]:
+        """The collectives this rank runs in one drafting step of ``batch`` placeholder sequences."""
+        d = self.cfg.hidden_size * self.cfg.num_aux_layers
+        ids = [-(i + 1) for i in range(batch)]
+        for i in ids:
+            self.observe(i, torch.zeros(context, d), reset=True)
+        before = dict(self.tp.counts)
+        self.propose(ids, [0] * batch, [context] * batch, self.cfg.num_drafts)
+        out = {k: v - before.get(k, 0) for k, v in self.tp.counts.items() if v - before.get(k, 0)}
+        for i in ids:
+            self.forget(i)
+        return out
+
+    def markov_weight_shapes(self) -> dict[str, tuple]:
+        """Shapes of this rank's Markov head weights (empty without a Markov head)."""
+        mk = self.drafter.markov_head
+        if mk is None:
+            return {}
+        return {"markov_w1": tuple(mk.markov_w1.weight.shape), "markov_w2": tuple(mk.markov_w2.weight.shape)}
+
+    @torch.inference_mode()
+    def time_drafting(self, batch_sizes, context: int = PROFILE_CONTEXT, reps: int = 3) -> dict[int, float]:
+        """Seconds of one drafting step for each batch size (median of ``reps``), over placeholder
+        contexts of ``context`` positions (warm-up included)."""
+        d = self.cfg.hidden_size * self.cfg.num_aux_layers
+        out = {}
+        for B in batch_sizes:
+            ids = [-(i + 1) for i in range(B)]  # placeholder sequence ids
+            for i in ids:
+                self.observe(i, torch.zeros(context, d), reset=True)
+            ts = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                self.propose(ids, [0] * B, [context] * B, self.cfg.num_drafts)
+                ts.append(time.perf_counter() - t0)
+            for i in ids:
+                self.forget(i)
+            ts = sorted(ts[1:])
+            out[B] = ts[len(ts) // 2]
+        return out
 
 
 class DSparkProposer(Proposer):
@@ -32,7 +148,7 @@ class DSparkProposer(Proposer):
 
     def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
-                 confidence_threshold: float = 0.5):
+                 confidence_threshold: float = 0.5, markov_replicate: bool = True):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
@@ -40,95 +156,125 @@ class DSparkProposer(Proposer):
                                  "(none is shipped for it)")
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
-        if dspark_verify not in ("full", "threshold"):
-            raise ValueError(f"dspark_verify must be 'full' or 'threshold' (auto is not available yet), "
-                             f"got {dspark_verify!r}")
+        if dspark_verify not in VERIFY_MODES:
+            raise ValueError(f"dspark_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {dspark_verify!r}")
+        if not 0.0 <= float(confidence_threshold) <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         self.model_path = Path(model)
         self.requested_k = num_speculative_tokens
         self.sample_method = draft_sample_method
         self.verify_mode = dspark_verify
-        self.threshold = confidence_threshold
-        self.caches: dict[int, object] = {}
+        self.threshold = float(confidence_threshold)
+        self.markov_replicate = bool(markov_replicate)
+        self.verify_costs: dict[int, float] | None = None
+        self.draft_costs: dict[int, float] | None = None
 
     def load_model(self, target) -> None:
         from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-        from specserve.spec_decode.dspark_model import DFlashDrafter
 
-        if target.tp.size > 1:
-            raise NotImplementedError("DSpark drafting under tensor parallelism is not available yet")
         if not self.model_path.exists():
             raise FileNotFoundError(f"DSpark checkpoint not found: {self.model_path}")
-        cfg, sd = load_dspark_checkpoint(self.model_path, target.config)
-        self.cfg = cfg
-        self.drafter = DFlashDrafter(cfg, dtype=target.dtype)
-        self.drafter.load_state(sd)
-        self.drafter.eval().requires_grad_(False)
-        self.aux_layers = tuple(cfg.target_layer_ids)
+        cfg, _ = load_dspark_checkpoint(self.model_path, target.config)  # a bad checkpoint fails here, on the driver
         k = self.requested_k or cfg.num_drafts
         if k > cfg.num_drafts:
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the drafter's {cfg.num_drafts} drafts per block")
+        if self.verify_mode != "full" and not cfg.enable_confidence_head:
+            raise ValueError(f"dspark_verify={self.verify_mode!r} needs a confidence head; this checkpoint has none "
+                             "(use 'full')")
+        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate)
+        self.target = target
+        self.worker: DSparkDraftWorker = target.helper(self.name)
+        self.cfg = cfg
+        self.aux_layers = tuple(cfg.target_layer_ids)
         self.num_speculative_tokens = k
         conf = json.loads((self.model_path / "config.json").read_text()) if self.model_path.is_dir() else {}
         self.conf_temps = conf.get("confidence_temperatures")  # STS calibration, one per position
-        self.embed = target.model.model.embed_tokens
-        self.logits_fn = target.model.compute_logits
         self.vocab_size = target.config.vocab_size
+        if self.verify_mode == "auto":
+            self._profile(target)
+
+    def _profile(self, target) -> None:
+        """The cost tables of the "auto" mode, measured on the running device."""
+        max_b = max(1, int(getattr(target, "max_num_seqs", 1)))
+        batch_sizes = sorted({b for b in (1, 2, 4, 8, 16, max_b) if b <= max_b})
+        g = self.num_speculative_tokens
+        sizes = sorted({n for b in batch_sizes for n in (b, b * (g + 1) // 2, b * (g + 1))} | {1, 2, 4})
+        self.verify_costs = measure_step_costs(target, sizes)
+        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes)
+        log.info("DSpark auto: verify cost %s ms, draft cost %s ms",
+                 {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()},
+                 {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
 
     def dummy_run(self, batch_size: int = 1) -> None:
-        cache = self.drafter.new_cache()
-        d = self.cfg.hidden_size * len(self.aux_layers)
-        cache.extend(torch.zeros(2, d), [0, 1])
-        self.drafter.propose(0, 2, cache, self.embed, self.logits_fn, num_drafts=1)
+        self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1)
 
     def observe(self, seq, last_hidden, aux, reset) -> None:
-        cache = self.caches.get(seq.seq_id)
-        if cache is None:
-            cache = self.caches[seq.seq_id] = self.drafter.new_cache()
-        if reset:
-            cache.reset()
-        n = aux[0].shape[0]
-        start = len(cache)
-        cache.extend(torch.cat(aux, dim=-1), list(range(start, start + n)))
+        self.target.call_helper(self.name, "observe", seq.seq_id, torch.cat(aux, dim=-1), reset)
 
     def forget(self, seq) -> None:
-        self.caches.pop(seq.seq_id, None)
+        self.target.call_helper(self.name, "forget", seq.seq_id)
 
-    @torch.inference_mode()
     def propose(self, inputs: ProposeInputs) -> Proposal:
-        chains, probs = [], []
+        seqs = inputs.seqs
+        budget = [max(0, min(m, self.num_speculative_tokens)) for m in inputs.max_drafts]
+        rows = [b for b, k in enumerate(budget) if k > 0]
+        chains: list[list[int]] = [[] for _ in seqs]
+        if not rows:
+            return Proposal(chains)
         probabilistic = self.sample_method == "probabilistic"
-        for s, m in zip(inputs.seqs, inputs.max_drafts):
-            k = min(m, self.num_speculative_tokens)
-            if k <= 0:
-                chains.append([])
-                probs.append(None)
-                continue
-            temp = s.params.temperature if probabilistic and not s.params.greedy else 0.0
-            blk = self.drafter.propose(s.output_ids[-1], s.num_computed, self.caches[s.seq_id], self.embed,
-                                       self.logits_fn, temperature=temp, generator=s.generator, num_drafts=k)
-            toks = [int(t) for t in blk.tokens][:k]
-            if self.verify_mode == "threshold" and blk.confidences is not None:
-                conf = self._calibrated(blk.confidences[: len(toks)])
-                cut = next((i for i, c in enumerate(conf) if c < self.threshold), len(toks))
-                toks = toks[:cut]
-            chains.append(toks)
-            probs.append(blk.probs[: len(toks)] if blk.probs is not None else None)
+        temps, states = [], []
+        for b in rows:
+            s = seqs[b]
+            t = s.params.temperature if probabilistic and not s.params.greedy else None
+            temps.append(t)
+            states.append(s.generator.get_state() if t is not None else None)
+        t0 = time.perf_counter()
+        blk, new_states = self.target.call_helper(
+            self.name, "propose", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
+            [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, states)
+        draft_s = time.perf_counter() - t0
+        for b, st in zip(rows, new_states):
+            if st is not None:
+                seqs[b].generator.set_state(st)
+        tokens = blk.tokens.tolist()
+        lengths = [budget[b] for b in rows]
+        if self.verify_mode != "full" and blk.confidences is not None:
+            conf = self._calibrated(blk.confidences)  # [R, g]
+            if self.verify_mode == "threshold":
+                below = (conf < self.threshold).tolist()
+                lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row))) for L, row in zip(lengths, below)]
+            else:
+                surv = torch.cumprod(conf, dim=1).tolist()
+                lengths = choose_verify_lengths([row[:L] for row, L in zip(surv, lengths)],
+                                                lambda n: interp_cost(self.verify_costs, n),
+                                                self._draft_cost(len(rows), draft_s))
+        for r, b in enumerate(rows):
+            chains[b] = tokens[r][: lengths[r]]
         draft_probs = None
-        if probabilistic and any(p is not None for p in probs):
+        if blk.probs is not None:
             K = max(len(c) for c in chains)
-            draft_probs = torch.zeros(len(chains), K, self.vocab_size)
-            for b, p in enumerate(probs):
-                if p is not None and len(p):
-                    draft_probs[b, : p.shape[0]] = p.float()
+            draft_probs = torch.zeros(len(seqs), K, self.vocab_size)
+            for r, b in enumerate(rows):
+                L = len(chains[b])
+                if temps[r] is not None and L:
+                    draft_probs[b, :L] = blk.probs[r, :L].float()
         return Proposal(chains, draft_probs)
 
+    def _draft_cost(self, batch: int, measured: float) -> float:
+        """This step's drafting time: the start-up table (less noisy than one measurement) when it has
+        the batch size, else the measured one."""
+        if self.draft_costs and batch <= max(self.draft_costs):
+            return interp_cost(self.draft_costs, batch)
+        return measured
 
-    def _calibrated(self, c: torch.Tensor) -> list[float]:
-        """Confidences after the checkpoint's sequential temperature scaling (if it has one)."""
+    def _calibrated(self, c: torch.Tensor) -> torch.Tensor:
+        """Confidences [..., g] after the checkpoint's sequential temperature scaling (if it has one)."""
+        c = c.float()
         if not self.conf_temps:
-            return c.float().tolist()
-        t = torch.tensor(self.conf_temps[: len(c)] + [1.0] * max(0, len(c) - len(self.conf_temps)))
-        return torch.sigmoid(torch.logit(c.float().clamp(1e-6, 1 - 1e-6)) / t).tolist()
+            return c
+        g = c.shape[-1]
+        t = torch.tensor((list(self.conf_temps) + [1.0] * g)[:g])
+        return torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / t)
 
 
 class DFlashProposer(DSparkProposer):

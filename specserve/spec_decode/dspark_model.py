@@ -63,6 +63,7 @@ __all__ = [
     "ConfidenceHead",
     "DraftBlock",
     "draft_block",
+    "draft_blocks",
     "expected_state_shapes",
     "d2t_from_t2d",
 ]
@@ -382,27 +383,32 @@ class DraftBlock(NamedTuple):
 
 
 @torch.no_grad()
-def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
-                markov: MarkovHead | None = None, temperature: float | None = 0.0,
-                generator: torch.Generator | None = None, d2t: torch.Tensor | None = None, *,
-                confidence_head: ConfidenceHead | None = None, target_vocab_size: int | None = None,
-                num_drafts: int | None = None) -> DraftBlock:
-    """Draft left to right from the draft slots' hidden states.
+def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchors,
+                 markov: MarkovHead | None = None, temperatures=None, generators=None,
+                 d2t: torch.Tensor | None = None, *, confidence_head: ConfidenceHead | None = None,
+                 target_vocab_size: int | None = None, num_drafts: int | None = None) -> DraftBlock:
+    """Draft left to right from the draft slots' hidden states of a batch of blocks.
 
-    base_logits_fn: hidden [g, d] -> base logits U [g, V_draft] (all positions in one GEMM).
-    hidden [g, d]: the draft slots (``DFlashDrafter.draft_hidden``). anchor: the anchor's target id
-    (int or 0-d/1-element tensor), x_0. markov: None = pure DFlash (no bias). temperature: None or
-    < 1e-5 = greedy (argmax of the corrected logits), else each x_k is sampled from
-    ``softmax((U_k + B_k(x_{k-1})) / T)`` with ``generator`` (same seed on every TP rank).
+    base_logits_fn: hidden [..., d] -> base logits U [..., V_draft] (every slot of every row in one GEMM).
+    hidden [B, g, d]: the draft slots (``DFlashDrafter.draft_hidden``). anchors [B]: each row's anchor
+    target id, x_0. markov: None = pure DFlash (no bias). temperatures: None (all greedy) or one per
+    row; a row with None or < 1e-5 is greedy (argmax of the corrected logits), else its x_k is sampled
+    from ``softmax((U_k + B_k(x_{k-1})) / T)`` with ``generators[b]`` (same seed on every TP rank).
     d2t: draft->target offsets [V_draft] for a pruned vocabulary (then ``target_vocab_size`` is needed
     for q), or the bool ``t2d`` mask [V_target] itself: x_k is mapped to its target id before the next
     Markov lookup and in the output, and q_k is scattered into the target vocabulary.
     num_drafts: stop after that many positions.
+
+    Returns tokens [B, g] (target ids), probs [B, g, V_target] (the exact q of sampled rows, zeros for
+    greedy rows; None when every row is greedy), confidences [B, g] (None without a confidence head).
     """
-    g = hidden.shape[0] if num_drafts is None else max(0, min(int(num_drafts), hidden.shape[0]))
-    hidden = hidden[:g]
+    B = hidden.shape[0]
+    g = hidden.shape[1] if num_drafts is None else max(0, min(int(num_drafts), hidden.shape[1]))
+    hidden = hidden[:, :g]
     device = hidden.device
-    greedy = temperature is None or temperature < 1e-5
+    temps = [None] * B if temperatures is None else list(temperatures)
+    gens = [None] * B if generators is None else list(generators)
+    sampled = [b for b in range(B) if temps[b] is not None and temps[b] >= 1e-5]
     if confidence_head is not None and confidence_head.with_markov and markov is None:
         raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
     to_target = None
@@ -411,45 +417,59 @@ def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         d2t = d2t_from_t2d(d2t)
     if d2t is not None:
         to_target = torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
-        if not greedy and target_vocab_size is None:
+        if sampled and target_vocab_size is None:
             raise ValueError("a pruned draft vocabulary needs target_vocab_size to map q to the target vocabulary")
-    prev = torch.as_tensor(anchor, device=device, dtype=torch.long).reshape(1)
+    prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B)
     if g == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return DraftBlock(empty, None if greedy else torch.zeros(0, target_vocab_size or 0, device=device),
-                          None if confidence_head is None else torch.zeros(0, device=device))
-    base = base_logits_fn(hidden).float()
+        return DraftBlock(torch.zeros(B, 0, dtype=torch.long, device=device),
+                          torch.zeros(B, 0, target_vocab_size or 0, device=device) if sampled else None,
+                          None if confidence_head is None else torch.zeros(B, 0, device=device))
+    base = base_logits_fn(hidden).float()  # [B, g, V_draft]
     tokens, probs, confs = [], [], []
     state = None
     for k in range(g):
-        h_k = hidden[k : k + 1]
+        h_k = hidden[:, k]
         emb = None
-        logits = base[k : k + 1]
+        logits = base[:, k]
         if markov is not None:
-            b, state, emb = markov.step(prev, h_k, state)
-            logits = logits + b.float()
+            bias, state, emb = markov.step(prev, h_k, state)
+            logits = logits + bias.float()
         if confidence_head is not None:
             confs.append(confidence_head(h_k, emb).float())
-        if greedy:
-            x = logits.argmax(dim=-1)
-        else:
-            q = torch.softmax(logits / temperature, dim=-1)
-            x = torch.multinomial(q, 1, generator=generator).view(1)
+        x = logits.argmax(dim=-1)
+        if sampled:
+            q = torch.zeros_like(logits)
+            for b in sampled:
+                q[b] = torch.softmax(logits[b] / temps[b], dim=-1)
+                x[b] = torch.multinomial(q[b], 1, generator=gens[b])[0]
             probs.append(q)
         if to_target is not None:
             x = to_target[x]
         tokens.append(x)
         prev = x
-    out_tokens = torch.cat(tokens)
     out_probs = None
-    if not greedy:
-        q = torch.cat(probs)
+    if sampled:
+        q = torch.stack(probs, dim=1)  # [B, g, V_draft]
         if to_target is not None:
-            full = q.new_zeros(g, target_vocab_size)
-            full[:, to_target] = q
+            full = q.new_zeros(B, g, target_vocab_size)
+            full[..., to_target] = q
             q = full
         out_probs = q
-    return DraftBlock(out_tokens, out_probs, torch.cat(confs) if confs else None)
+    return DraftBlock(torch.stack(tokens, dim=1), out_probs, torch.stack(confs, dim=1) if confs else None)
+
+
+def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
+                markov: MarkovHead | None = None, temperature: float | None = 0.0,
+                generator: torch.Generator | None = None, d2t: torch.Tensor | None = None, *,
+                confidence_head: ConfidenceHead | None = None, target_vocab_size: int | None = None,
+                num_drafts: int | None = None) -> DraftBlock:
+    """``draft_blocks`` for one block: hidden [g, d], anchor an int (or 0-d tensor), one temperature
+    and generator -> tokens [g], probs [g, V_target] (None when greedy), confidences [g] or None."""
+    anchor = torch.as_tensor(anchor, dtype=torch.long).reshape(1)
+    out = draft_blocks(base_logits_fn, hidden.unsqueeze(0), anchor, markov, [temperature], [generator], d2t,
+                       confidence_head=confidence_head, target_vocab_size=target_vocab_size, num_drafts=num_drafts)
+    return DraftBlock(out.tokens[0], None if out.probs is None else out.probs[0],
+                      None if out.confidences is None else out.confidences[0])
 
 
 # ---- backbone -------------------------------------------------------------------------------------
@@ -479,16 +499,20 @@ class DFlashAttention(nn.Module):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [B, d] (the block, after input_layernorm), ctx_k/v [Hkv, n, D], mask None or bool
-        [B, n + B] -> [B, d]."""
-        B = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(B, self.H, self.D)), cos, sin).transpose(0, 1)
-        k, v = self.project_kv(x, cos, sin)
-        k = torch.cat([ctx_k.to(k.dtype), k], dim=1)
-        v = torch.cat([ctx_v.to(v.dtype), v], dim=1)
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                             scale=self.scale, enable_gqa=self.H != self.Hkv)
-        return self.o_proj(out[0].transpose(0, 1).reshape(B, self.H * self.D))
+        """A batch of S rows of Q block tokens each: x [S, Q, d] (after input_layernorm), cos/sin
+        [S, Q, 1, D], ctx_k/v [S, Hkv, n, D] (the context, already projected), mask None or bool
+        [S, 1, Q, n + Q] -> [S, Q, d]. Differentiable (the trainer runs it too)."""
+        S, Q, _ = x.shape
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(S, Q, self.H, self.D)), cos, sin).transpose(1, 2)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(S, Q, self.Hkv, self.D)), cos, sin).transpose(1, 2)
+        v = self.v_proj(x).view(S, Q, self.Hkv, self.D).transpose(1, 2)
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        if self.H != self.Hkv:
+            rep = self.H // self.Hkv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(S, Q, self.H * self.D))
 
 
 class DFlashMLP(nn.Module):
@@ -589,8 +613,8 @@ class DFlashDrafter(nn.Module):
     ``markov_head`` / ``confidence_head`` and, for a pruned vocabulary, its own ``lm_head`` + ``d2t``.
     Embedding and (full-vocabulary) lm_head are the target's, passed at call time.
 
-    One sequence per call (batch size 1): ``forward_block`` runs a single block over one
-    ``DraftCache``. Batching several sequences needs a padded context mask (left for the proposer)."""
+    ``forward_blocks`` runs one block per sequence for a batch of sequences (each with its own
+    ``DraftCache``, the contexts padded and masked) in one forward; ``forward_block`` is one of them."""
 
     def __init__(self, cfg: DSparkConfig, tp: TPGroup | None = None, dtype=torch.float32,
                  markov_replicate: bool = True):
@@ -653,25 +677,48 @@ class DFlashDrafter(nn.Module):
     def forward_block_embeds(self, x: torch.Tensor, start_pos: int, cache: DraftCache) -> torch.Tensor:
         """Block input embeddings [B, d] at positions ``start_pos .. start_pos+B-1`` -> [B, d]. The block
         sees every cached context entry at a position < ``start_pos`` and itself, bidirectionally."""
-        B = x.shape[0]
+        return self.forward_blocks(x.unsqueeze(0), [start_pos], [cache])[0]
+
+    @torch.no_grad()
+    def forward_blocks(self, x: torch.Tensor, start_pos, caches: list) -> torch.Tensor:
+        """A batch of blocks, one per sequence: input embeddings x [S, B, d], row s at positions
+        ``start_pos[s] ..`` over ``caches[s]`` -> final-normed hidden [S, B, d]. Each row sees the
+        entries of its own cache at positions < its start and its own block, bidirectionally."""
+        S, B = x.shape[:2]
         x = x.to(self.norm.weight.dtype)
-        pos = torch.arange(start_pos, start_pos + B, device=x.device)
+        dev = x.device
+        starts = torch.as_tensor(list(start_pos), dtype=torch.long, device=dev).reshape(S)
+        pos = starts.unsqueeze(1) + torch.arange(B, device=dev)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        n = max(len(c) for c in caches)
+        if S == 1:  # views of the one cache, no copy
+            visible = caches[0].positions.unsqueeze(0) < starts.unsqueeze(1)
+            kv = [tuple(t.unsqueeze(0) for t in caches[0].layer_kv(i)) for i in range(len(self.layers))]
+        else:  # the contexts right-padded to the longest
+            Hkv, D = self.cfg.num_key_value_heads, self.cfg.head_dim
+            visible = torch.zeros(S, n, dtype=torch.bool, device=dev)
+            kv = []
+            for i in range(len(self.layers)):
+                k = x.new_zeros(S, Hkv, n, D)
+                v = x.new_zeros(S, Hkv, n, D)
+                for r, c in enumerate(caches):
+                    ck, cv = c.layer_kv(i)
+                    k[r, :, : len(c)], v[r, :, : len(c)] = ck, cv
+                kv.append((k, v))
+            for r, c in enumerate(caches):
+                visible[r, : len(c)] = c.positions < starts[r]
         mask = None
-        n = len(cache)
-        if n:
-            visible = cache.positions < start_pos
-            if not bool(visible.all()):
-                mask = torch.cat([visible, visible.new_ones(B)]).expand(B, n + B)
+        if n and not bool(visible.all()):
+            mask = torch.cat([visible.unsqueeze(1).expand(S, B, n),
+                              visible.new_ones(S, B, B)], dim=-1).unsqueeze(1)  # [S, 1, B, n + B]
         h = x
-        for i, layer in enumerate(self.layers):
-            ck, cv = cache.layer_kv(i)
+        for layer, (ck, cv) in zip(self.layers, kv):
             h = layer(h, cos, sin, ck, cv, mask)
         return self.norm(h)
 
     def draft_hidden(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, d] -> the draft slots [num_drafts, d] (all slots anchor-first; slots 1.. mask-only)."""
-        return block_hidden[self.cfg.first_draft_slot :]
+        """[..., B, d] -> the draft slots [..., num_drafts, d] (all slots anchor-first; slots 1.. mask-only)."""
+        return block_hidden[..., self.cfg.first_draft_slot :, :]
 
     # -- logits and drafting ------------------------------------------------------------------------
     def base_logits(self, hidden: torch.Tensor,
@@ -693,6 +740,18 @@ class DFlashDrafter(nn.Module):
         return draft_block(lambda h: self.base_logits(h, target_logits_fn), hidden, anchor, self.markov_head,
                            temperature, generator, self.d2t, confidence_head=self.confidence_head,
                            target_vocab_size=self.cfg.vocab_size, num_drafts=num_drafts)
+
+    @torch.no_grad()
+    def propose_batch(self, anchors: list[int], start_pos: list[int], caches: list, embed_fn, target_logits_fn=None,
+                      temperatures=None, generators=None, num_drafts: int | None = None) -> DraftBlock:
+        """One drafting step of a batch of sequences (one block forward, one base-logits GEMM, the
+        Markov loop batched): ``draft_blocks`` outputs with a leading batch dimension."""
+        ids = torch.stack([self.block_input_ids(a) for a in anchors])  # [S, B]
+        x = embed_fn(ids.reshape(-1)).view(ids.shape[0], ids.shape[1], -1)
+        hidden = self.draft_hidden(self.forward_blocks(x, start_pos, caches))
+        return draft_blocks(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
+                            temperatures, generators, self.d2t, confidence_head=self.confidence_head,
+                            target_vocab_size=self.cfg.vocab_size, num_drafts=num_drafts)
 
     # -- weights ------------------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:

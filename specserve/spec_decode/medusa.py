@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from pathlib import Path
 
 import torch
 
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.sample.tree import TreeBuffers, tree_tokens_from_candidates
+from specserve.spec_decode.cost_model import interp_cost, measure_step_costs
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -160,10 +160,10 @@ class MedusaProposer(Proposer):
         self.step_costs = cost
         chain_k = self.num_speculative_tokens
         chain = [[0] * (d + 1) for d in range(chain_k)]
-        best = (expected_tokens(chain, acc) / _interp(cost, chain_k + 1), None)
+        best = (expected_tokens(chain, acc) / interp_cost(cost, chain_k + 1), None)
         for n in TREE_SIZES:
             paths = greedy_tree(acc, n)
-            rate = expected_tokens(paths, acc) / _interp(cost, n + 1)
+            rate = expected_tokens(paths, acc) / interp_cost(cost, n + 1)
             if rate > best[0]:
                 best = (rate, paths)
         self.auto_choice = "chain" if best[1] is None else f"tree of {len(best[1])} nodes"
@@ -230,37 +230,6 @@ def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, t
             best = i
     noise = torch.empty(p.shape[-1]).exponential_(generator=generator)
     return tree.path_to(best), int((p[best] / noise).argmax())
-
-
-def _interp(cost: dict[int, float], n: int) -> float:
-    ks = sorted(cost)
-    if n <= ks[0]:
-        return cost[ks[0]]
-    for a, b in zip(ks, ks[1:]):
-        if a <= n <= b:
-            return cost[a] + (cost[b] - cost[a]) * (n - a) / (b - a)
-    return cost[ks[-1]] * n / ks[-1]
-
-
-def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
-    """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
-    (median of ``reps``), measured on the running device in slot 0 before any request runs."""
-    ctx = 128
-    target.forward(0, [[0] * ctx], [0], "none")
-    out = {}
-    for n in sizes:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            target.forward(0, [[0] * n], [ctx], "all")
-            ts.append(time.perf_counter() - t0)
-        out[n] = sorted(ts)[len(ts) // 2]
-    # a cost curve must not decrease with n (noise): make it monotonic
-    run = 0.0
-    for n in sorted(out):
-        run = max(run, out[n])
-        out[n] = run
-    return out
 
 
 def _full_lm_head_weight(target) -> torch.Tensor:

@@ -333,22 +333,6 @@ def init_drafter_(drafter, std: float = 0.02) -> None:
             p.requires_grad_(True)
 
 
-def _block_attention(a, x, cos, sin, ctx_k, ctx_v, mask):
-    """``DFlashAttention`` over a batch: x [S, Q, d] (normed block), ctx_k/v [S, Hkv, T, D], mask bool
-    [S, 1, Q, T + Q] -> [S, Q, d]."""
-    S, Q, _ = x.shape
-    q = apply_rotary(a.q_norm(a.q_proj(x).view(S, Q, a.H, a.D)), cos, sin).transpose(1, 2)
-    k = apply_rotary(a.k_norm(a.k_proj(x).view(S, Q, a.Hkv, a.D)), cos, sin).transpose(1, 2)
-    v = a.v_proj(x).view(S, Q, a.Hkv, a.D).transpose(1, 2)
-    k = torch.cat([ctx_k, k], dim=2)
-    v = torch.cat([ctx_v, v], dim=2)
-    if a.H != a.Hkv:
-        rep = a.H // a.Hkv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scale)
-    return a.o_proj(out.transpose(1, 2).reshape(S, Q, a.H * a.D))
-
-
 def block_hidden(drafter, feats: torch.Tensor, anchors: torch.Tensor, block_ids: torch.Tensor,
                  embed_w: torch.Tensor) -> torch.Tensor:
     """The training forward of many blocks at once.
@@ -379,7 +363,7 @@ def block_hidden(drafter, feats: torch.Tensor, anchors: torch.Tensor, block_ids:
         a = layer.self_attn
         ck = apply_rotary(a.k_norm(a.k_proj(ctx).view(S, T, a.Hkv, a.D)), cos_c, sin_c).transpose(1, 2)
         cv = a.v_proj(ctx).view(S, T, a.Hkv, a.D).transpose(1, 2)
-        h = h + _block_attention(a, layer.input_layernorm(h), cos_q, sin_q, ck, cv, mask)
+        h = h + a(layer.input_layernorm(h), cos_q, sin_q, ck, cv, mask)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h).view(S, N, G, -1)
 

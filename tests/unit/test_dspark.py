@@ -46,7 +46,8 @@ def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", s
 
 @pytest.mark.parametrize("method, rank, sample, verify", [
     ("dspark", 8, "greedy", "full"), ("dspark", 8, "probabilistic", "full"), ("dspark", 8, "greedy", "threshold"),
-    ("dflash", 0, "greedy", "full"), ("dspark", 8, "greedy", "full-gated"),
+    ("dflash", 0, "greedy", "full"), ("dspark", 8, "greedy", "full-gated"), ("dspark", 8, "greedy", "auto"),
+    ("dspark", 8, "probabilistic", "auto"),
 ])
 def test_greedy_identical_to_plain(tiny_llama, tmp_path, method, rank, sample, verify):
     head = "gated" if verify == "full-gated" else "vanilla"
@@ -61,15 +62,21 @@ def test_greedy_identical_to_plain(tiny_llama, tmp_path, method, rank, sample, v
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("sample", ["greedy", "probabilistic"])
-def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample):
+@pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto")])
+def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample, verify):
+    """Many sequences draft together (batched blocks, one generator per row) at temperature 1."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
-        "method": "dspark", "model": str(drafter), "draft_sample_method": sample})
+        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "dspark_verify": verify})
+    if verify == "auto":  # a cost per verified token: lengths follow the confidences and differ by row
+        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.001}
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
-    assert spec.get_metrics()["num_accepted_tokens"] > 100
+    m = spec.get_metrics()
+    assert m["num_accepted_tokens"] > 100
+    if verify == "auto":
+        assert 0 < m["num_draft_tokens"] < 4 * m["num_verify_steps"]
     assert_same_distribution(a, b)
 
 
@@ -80,3 +87,93 @@ def test_dspark_errors(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="exceeds the drafter's 4 drafts"):
         LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter),
                                                        "num_speculative_tokens": 6})
+
+
+def test_choose_verify_lengths_is_the_best_choice():
+    """The greedy merge of survival products equals a brute-force search over every length vector."""
+    import itertools
+
+    from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        B, K = 1 + trial % 3, 4
+        conf = torch.rand(B, K, generator=g) ** 0.5
+        surv = torch.cumprod(conf, 1).tolist()
+        costs = {1: 1.0, 4: 1.0 + float(torch.rand(1, generator=g)), 16: 3.0 + 4 * float(torch.rand(1, generator=g))}
+        cost = lambda n: interp_cost(costs, n)  # noqa: E731
+        draft = 0.3 * float(torch.rand(1, generator=g))
+        got = choose_verify_lengths(surv, cost, draft)
+
+        def rate(ls):
+            return (B + sum(sum(row[:n]) for row, n in zip(surv, ls))) / (cost(B + sum(ls)) + draft)
+
+        best = max(rate(ls) for ls in itertools.product(range(K + 1), repeat=B))
+        assert rate(got) == pytest.approx(best, rel=1e-9), (trial, got)
+    # cheap verification: verify everything; verification that doubles per token: nothing
+    assert choose_verify_lengths([[0.9, 0.8], [0.5, 0.1]], lambda n: 1.0) == [2, 2]
+    assert choose_verify_lengths([[0.9, 0.8], [0.5, 0.1]], lambda n: 2.0 ** n) == [0, 0]
+    with pytest.raises(ValueError, match="must not increase"):
+        choose_verify_lengths([[0.1, 0.9]], lambda n: 1.0)
+
+
+def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "dspark", "model": str(drafter), "dspark_verify": "auto"})
+    prop = llm.engine.proposer
+    assert set(prop.draft_costs) == {1, 2, 4} and all(v > 0 for v in prop.draft_costs.values())
+    assert min(prop.verify_costs) == 1 and max(prop.verify_costs) >= 4 * 5
+    # a verification that costs nothing extra per token: every draft is verified; one that grows
+    # steeply with the token count: none
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "dspark", "model": str(drafter), "dspark_verify": "full"})
+    full.generate(PROMPTS, params, use_tqdm=False)
+    prop.verify_costs = {1: 1.0, 1000: 1.0}
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] == full.get_metrics()["num_draft_tokens"] > 0
+    llm.reset_metrics()
+    prop.verify_costs = {1: 1.0, 2: 100.0, 1000: 1e5}
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert llm.get_metrics()["num_draft_tokens"] == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("replicate", [True, False])
+def test_tp2_dspark_equals_tp1_and_counts_collectives(tiny_llama, tmp_path, replicate):
+    """Under TP=2 the drafter runs on both ranks. A replicated Markov head holds its full weights on each
+    rank and adds no collective to a draft step (the step runs the embedding's all-reduce and the base
+    logits' gather, as without a Markov head); a sharded one adds an all-reduce (W1) and a gather (W2)
+    per draft position."""
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama, markov_rank=8)
+    dflash = write_random_drafter(tmp_path / "f", tiny_llama, markov_rank=0)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    spec = {"method": "dspark", "model": str(drafter), "markov_replicate": replicate}
+    ref = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+    try:
+        runner = llm.engine.runner
+        shapes = runner.helper_report("dspark", "markov_weight_shapes")
+        step = runner.helper_report("dspark", "draft_step_collectives", 2)
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        counts = runner.collective_counts()
+    finally:
+        llm.shutdown()
+    base = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
+               speculative_config={"method": "dspark", "model": str(dflash)})
+    try:
+        base_step = base.engine.runner.helper_report("dspark", "draft_step_collectives", 2)
+    finally:
+        base.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert counts[0] == counts[1]  # the ranks stayed in step
+    V, g = 257, 4
+    assert base_step[0] == base_step[1] == {"all_reduce": 1, "all_gather": 1}
+    if replicate:
+        assert shapes == [{"markov_w1": (V, 8), "markov_w2": (V, 8)}] * 2
+        assert step == base_step
+    else:
+        assert shapes == [{"markov_w1": (129, 8), "markov_w2": (129, 8)}] * 2
+        assert step == [{"all_reduce": 1 + g, "all_gather": 1 + g}] * 2

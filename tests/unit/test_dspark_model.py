@@ -595,3 +595,40 @@ def test_loaded_checkpoint_drafts_end_to_end(tmp_path):
     assert blk.tokens.shape == (BLOCK,) and bool(t2d[blk.tokens].all())
     assert blk.probs.shape == (BLOCK, V) and torch.all(blk.probs[:, ~t2d] == 0)
     assert blk.confidences.shape == (BLOCK,) and bool(((blk.confidences > 0) & (blk.confidences < 1)).all())
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_batched_drafting_equals_one_sequence_at_a_time(pruned):
+    """``propose_batch`` (padded contexts of different lengths, one forward, the Markov loop over the
+    batch, one generator per row, greedy and sampled rows mixed) gives each row exactly what
+    ``propose`` gives that sequence alone."""
+    cfg = small_cfg(draft_vocab_size=VD if pruned else V)
+    m = DFlashDrafter(cfg)
+    m.load_state(random_state(cfg, 21))
+    g = torch.Generator().manual_seed(22)
+    emb = torch.randn(V, D, generator=g)
+    Wt = torch.randn(V, D, generator=g)
+    lens, anchors = [3, 9, 6], [4, 17, 30]
+    caches = []
+    for n in lens:
+        c = m.new_cache()
+        c.extend(torch.randn(n, len(LAYER_IDS) * D, generator=g), torch.arange(n))
+        caches.append(c)
+    caches[2].extend(torch.randn(2, len(LAYER_IDS) * D, generator=g), torch.arange(6, 8))  # beyond its anchor
+    starts = [3, 9, 6]
+    temps = [None, 0.8, 1.3]
+    embed_fn, logits_fn = (lambda i: emb[i]), (lambda h: h @ Wt.T)
+    blk = m.propose_batch(anchors, starts, caches, embed_fn, logits_fn, temps,
+                          [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)])
+    assert blk.tokens.shape == (3, cfg.num_drafts) and blk.probs.shape == (3, cfg.num_drafts, V)
+    for r in range(3):
+        one = m.propose(anchors[r], starts[r], caches[r], embed_fn, logits_fn, temperature=temps[r] or 0.0,
+                        generator=torch.Generator().manual_seed(4 + r))
+        assert torch.equal(blk.tokens[r], one.tokens), r
+        torch.testing.assert_close(blk.confidences[r], one.confidences, rtol=1e-5, atol=1e-6)
+        if temps[r] is None:
+            assert one.probs is None and not blk.probs[r].any()
+        else:
+            torch.testing.assert_close(blk.probs[r], one.probs, rtol=1e-5, atol=1e-7)
+    # the batch really differs per row (contexts and anchors are not mixed up)
+    assert not torch.equal(blk.tokens[0], blk.tokens[1])
