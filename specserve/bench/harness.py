@@ -11,7 +11,10 @@ Speculative methods are added the same way, as ``SpecserveMethod(name, speculati
 ``METHODS`` (or through ``register_method``); their acceptance metrics come from ``LLM.get_metrics()``.
 
 Timing: every prompt is one request (batch size 1) timed from submission to its last token, prefill
-included, after one short warm-up generation per method. ``tokens_per_s`` = all generated tokens /
+included, after one short warm-up generation per method. With ``tensor_parallel_size`` > 1 every
+specserve row runs over that many processes (gloo, ``threads // size`` threads each) and reports the
+collectives it ran: per generated token (rank 0, timed requests only) and, for block drafters, per
+drafting step (``collectives_per_draft_step``, the ranks' counts of one step). ``tokens_per_s`` = all generated tokens /
 the sum of those wall times, i.e. a per-request latency comparison.
 
 Identity (greedy only): for each prompt, a method's output ids are compared with ``none``'s over their
@@ -74,6 +77,7 @@ class BenchContext:
     temperature: float
     seed: int
     threads: int
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -101,7 +105,11 @@ class SpecserveMethod:
         from specserve import LLM, SamplingParams
 
         kwargs = {"speculative_config": self.speculative_config} if self.speculative_config else {}
-        llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=ctx.threads, max_num_seqs=1, **kwargs)
+        tp = ctx.tensor_parallel_size
+        llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
+                  max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
+        runner = llm.engine.runner
+        extra = {}
         try:
             def params(n, i=0):
                 return SamplingParams(temperature=ctx.temperature, max_tokens=n, seed=ctx.seed + i, top_p=1.0,
@@ -109,6 +117,7 @@ class SpecserveMethod:
 
             llm.generate([{"prompt_token_ids": ctx.prompt_ids[0]}], params(WARMUP_TOKENS), use_tqdm=False)
             llm.reset_metrics()
+            before = _rank0_collectives(runner) if tp > 1 else 0
             outputs, wall = [], 0.0
             for i, ids in enumerate(ctx.prompt_ids):
                 t0 = time.perf_counter()
@@ -116,12 +125,23 @@ class SpecserveMethod:
                 wall += time.perf_counter() - t0
                 outputs.append(list(out.outputs[0].token_ids))
             m = llm.get_metrics()
+            if tp > 1:
+                n_tok = max(1, sum(len(o) for o in outputs))
+                extra["collectives_per_token"] = round((_rank0_collectives(runner) - before) / n_tok, 3)
+                name = getattr(llm.engine.proposer, "name", "")
+                if name in getattr(runner.local, "helpers", {}):
+                    per_rank = runner.helper_report(name, "draft_step_collectives", 1)
+                    extra["collectives_per_draft_step"] = per_rank[0]
         finally:
             llm.shutdown()
             del llm
             gc.collect()
-        return MethodResult(outputs, wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
-                            extra={k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+        extra.update({k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+        return MethodResult(outputs, wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"], extra=extra)
+
+
+def _rank0_collectives(runner) -> int:
+    return sum(runner.collective_counts()[0].values())
 
 
 class HFMethod:
@@ -145,6 +165,8 @@ class HFMethod:
         transformers.utils.logging.disable_progress_bar()
         from specserve.engine.model_runner import DTYPES
 
+        if ctx.tensor_parallel_size > 1:
+            raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
         torch.set_num_threads(ctx.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype]).eval()
         pad = ctx.eos_ids[0] if ctx.eos_ids else 0
@@ -195,6 +217,15 @@ METHODS: dict[str, Callable[[], object]] = {
     # the block drafters shipped for the default model (block 7), every draft verified
     "dspark": lambda: SpecserveMethod("dspark", {"method": "dspark"}),
     "dflash": lambda: SpecserveMethod("dflash", {"method": "dflash"}),
+    # DSpark variants: verification length from the start-up cost model, or cut at a confidence
+    # threshold; drafts sampled from the corrected distribution (for temperature > 0); the Markov head
+    # sharded across tensor-parallel ranks instead of replicated (for the TP comparison)
+    "dspark-auto": lambda: SpecserveMethod("dspark-auto", {"method": "dspark", "dspark_verify": "auto"}),
+    "dspark-threshold": lambda: SpecserveMethod("dspark-threshold", {"method": "dspark", "dspark_verify": "threshold",
+                                                                     "confidence_threshold": 0.3}),
+    "dspark-prob": lambda: SpecserveMethod("dspark-prob", {"method": "dspark",
+                                                           "draft_sample_method": "probabilistic"}),
+    "dspark-sharded": lambda: SpecserveMethod("dspark-sharded", {"method": "dspark", "markov_replicate": False}),
 }
 
 
@@ -245,7 +276,7 @@ def compare(base: list[list[int]], other: list[list[int]]) -> tuple[bool, int, i
 def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", prompts_file: str | None = None,
               num_prompts: int | None = None, max_tokens: int = 128, temperature: float = 0.0,
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
-              log: Callable[[str], None] | None = None) -> list[dict]:
+              log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1) -> list[dict]:
     """Run every method at every dtype; returns one row (a dict) per (dtype, method)."""
     from specserve.models.loader import resolve_model_dir
     from specserve.tokenizer import Tokenizer
@@ -263,6 +294,10 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         raise BenchError(f"--temperature must be >= 0, got {temperature}")
     if threads is not None and threads < 1:
         raise BenchError(f"--threads must be >= 1, got {threads}")
+    if tensor_parallel_size < 1:
+        raise BenchError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 and "hf" in names:
+        raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
     texts = load_prompts(prompts_file)
     if num_prompts is not None:
         if num_prompts < 1:
@@ -287,7 +322,8 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
 
     rows = []
     for dtype in dtype_names:
-        ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads)
+        ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
+                           tensor_parallel_size)
         base: MethodResult | None = None
         base_tps = None
         for name in names:
@@ -313,6 +349,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                 "mean_acceptance_length": res.mean_acceptance_length,
                 "acceptance_rate_per_position": res.acceptance_rate_per_position,
                 "threads": threads,
+                "tensor_parallel_size": tensor_parallel_size,
                 "model_dir": str(model_dir),
                 **res.extra,
             })
@@ -322,6 +359,9 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
 def format_table(rows: list[dict]) -> str:
     """method | dtype | tok/s | vs none | ours/hf | identical | mean acc. length."""
     head = ["method", "dtype", "tok/s", "vs none", "ours/hf", "identical", "acc.len", "tokens"]
+    tp = any("collectives_per_token" in r for r in rows)
+    if tp:
+        head += ["coll/token", "coll/draft step"]
     body = []
     for r in rows:
         ours_hf = ""
@@ -333,6 +373,10 @@ def format_table(rows: list[dict]) -> str:
         body.append([r["method"], r["dtype"], f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] is not None else "-", ours_hf, ident,
                      f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])])
+        if tp:
+            step = r.get("collectives_per_draft_step")
+            body[-1] += [f"{r.get('collectives_per_token', 0):.1f}",
+                         "-" if step is None else (" + ".join(f"{v} {k}" for k, v in sorted(step.items())) or "0")]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 2 or i == 5 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))

@@ -79,6 +79,29 @@ def test_bench_none_hf_ngram_float32(tmp_path):
     assert rows[1]["speedup_vs_none"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], rel=1e-3)
 
 
+@pytest.mark.multiproc
+def test_bench_tp2_replicated_vs_sharded_markov_head(tmp_path):
+    """The TP comparison row shape: both DSpark rows identical to plain decoding under TP=2, the
+    replicated Markov head's drafting step runs only the backbone's two collectives, the sharded one
+    two more per draft position."""
+    out = tmp_path / "bench.json"
+    r = specserve("bench", "--methods", "none,dspark,dspark-sharded", "--num-prompts", "1", "--max-tokens", "8",
+                  "--dtype", "float32", "--threads", "2", "--tensor-parallel-size", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "over 2 TP ranks" in r.stdout and "coll/draft step" in r.stdout
+    rows = {row["method"]: row for row in json.loads(out.read_text())}
+    assert all(row["tensor_parallel_size"] == 2 and row["collectives_per_token"] > 0 for row in rows.values())
+    assert rows["dspark"]["identical_to_none"] and rows["dspark-sharded"]["identical_to_none"]
+    # replicated: the block embedding's all-reduce (+ the base logits' gather when the drafter uses the
+    # target's sharded lm_head); sharded: + an all-reduce (W1) and a gather (W2) per position (block 7)
+    rep, sh = rows["dspark"]["collectives_per_draft_step"], rows["dspark-sharded"]["collectives_per_draft_step"]
+    assert rep["all_reduce"] == 1 and rep.get("all_gather", 0) <= 1
+    assert sh["all_reduce"] - rep["all_reduce"] == 7 and sh["all_gather"] - rep.get("all_gather", 0) == 7
+    assert "collectives_per_draft_step" not in rows["none"]
+    r = specserve("bench", "--methods", "none,hf", "--tensor-parallel-size", "2")
+    assert r.returncode != 0 and "one process" in r.stderr
+
+
 def test_convert_default_gguf(tmp_path):
     from specserve.models.loader import default_gguf_path
 
