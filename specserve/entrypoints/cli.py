@@ -76,6 +76,10 @@ def _add_train_data_args(m: argparse.ArgumentParser) -> None:
     m.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where generated sequences and target features are cached (default ~/.cache/specserve/train)")
     m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    m.add_argument("--draft-vocab-size", type=_nonneg_int, default=0,
+                   help="draft only among the N most frequent response tokens (a token map / d2t): logits over "
+                        "N rows instead of the whole vocabulary, cheaper to draft and to train; 0 = the target's "
+                        "vocabulary (default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,9 +208,6 @@ def _add_train_dspark_parser(tsub) -> None:
                    help="how many layers 'auto' picks (default 5)")
     m.add_argument("--mask-token-id", type=_nonneg_int, default=None,
                    help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
-    m.add_argument("--draft-vocab-size", type=_nonneg_int, default=0,
-                   help="a pruned draft vocabulary: the N most frequent response tokens with the drafter's own "
-                        "lm_head (saved in speculators format); 0 = the target's vocabulary (default)")
     m.add_argument("--anchors-per-seq", type=_positive_int, default=16,
                    help="random anchor positions (blocks) per sequence per epoch (default 16)")
     m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the sequences (default 2)")
@@ -353,7 +354,8 @@ def cmd_train_medusa(args) -> int:
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size,
-        gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress)
+        gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress,
+        draft_vocab_size=args.draft_vocab_size)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_medusa(targs, command=command)

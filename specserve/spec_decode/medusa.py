@@ -102,11 +102,24 @@ class MedusaProposer(Proposer):
         self.heads.eval().requires_grad_(False)
         self.target = target
         self.lm_head: ParallelLMHead = target.model.lm_head
-        if cfg.shared_lm_head and self.lm_head.tp_size > 1:
+        if cfg.shared_lm_head and cfg.draft_vocab_size:
+            # the draft vocabulary's rows of the target's lm_head, replicated (no gather), packed
+            full = (_full_lm_head_weight(target) if self.lm_head.tp_size > 1
+                    else self.lm_head.weight.detach()[: tcfg.vocab_size])
+            rows = self.heads.token_map
+            sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
+            with torch.no_grad():
+                sub.weight.copy_(full[rows].to(target.dtype))
+            if self.lm_head.packed is not None:
+                sub.pack()
+            self.lm_head = sub
+        elif cfg.shared_lm_head and self.lm_head.tp_size > 1:
             # heads are small and replicated: give them a full copy of the lm_head, never a gather
             full = ParallelLMHead(tcfg.vocab_size, tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
             full.weight_loader(full.weight, _full_lm_head_weight(target))
             self.lm_head = full
+        if cfg.head_vocab_size < self.topk:
+            raise ValueError(f"medusa_topk ({self.topk}) exceeds the heads' draft vocabulary of {cfg.head_vocab_size}")
         k = self.requested_k or cfg.num_heads
         if k > cfg.num_heads:
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the checkpoint's {cfg.num_heads} Medusa heads")
@@ -191,12 +204,12 @@ class MedusaProposer(Proposer):
     def propose(self, inputs: ProposeInputs) -> Proposal:
         seqs = inputs.seqs
         hidden = torch.stack([self._hidden[s.seq_id] for s in seqs])
-        logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V]
+        logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V'] (V': the draft vocabulary)
         if self.tree is None:
-            drafts = logits[:, : self.num_speculative_tokens].argmax(-1).tolist()
+            drafts = self.heads.to_target(logits[:, : self.num_speculative_tokens].argmax(-1)).tolist()
             return Proposal([d[:m] for d, m in zip(drafts, inputs.max_drafts)])
         K = self.tree.max_depth
-        top = logits[:, :K].topk(self.topk, dim=-1).indices  # [B, K, topk]
+        top = self.heads.to_target(logits[:, :K].topk(self.topk, dim=-1).indices)  # [B, K, topk] target ids
         trees, chains = [], []
         for b, (s, m) in enumerate(zip(seqs, inputs.max_drafts)):
             if m < K:  # near max_tokens: a short chain instead of the whole tree

@@ -14,8 +14,9 @@ Supported layouts, detected in this order:
    ``medusa_fc_bias``), ``lm_heads.{i}.weight``, optionally under a ``medusa_heads.`` prefix. Config
    keys are renamed like vLLM does (any key with "num" and "heads" -> ``num_heads``, "num" and "layers"
    -> ``num_hidden_layers``). ``original_lm_head: true`` -> the heads share the target's ``lm_head``
-   and any ``lm_heads.*`` tensor (a copy of the target's) is ignored. Truncated draft vocabularies
-   (``token_map`` / ``truncated_vocab_size``) are rejected.
+   and any ``lm_heads.*`` tensor (a copy of the target's) is ignored. A truncated draft vocabulary
+   (``truncated_vocab_size`` < ``vocab_size``) comes with a ``token_map`` tensor (its target ids); the
+   own heads are then [truncated_vocab_size, d].
 3. **FasterDecoding** (Medusa v0.1 / legacy training output): ``medusa_lm_head.safetensors`` or
    ``medusa_lm_head.pt`` with ``{h}.{l}.linear.weight|bias`` and ``{h}.{L}.weight`` (the head's own
    vocab projection; absent in "v2" checkpoints, which share the target's ``lm_head``).
@@ -113,20 +114,25 @@ def _load_ours(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
             what = key.replace("_", " ")
             raise CheckpointError(f"{p}: Medusa heads have {what} {cfg[key]}, the target model has {target}")
     entries: Entries = {}
+    token_map = None
     for name, t in _read_file(f).items():
+        if name == "token_map":
+            token_map = t
+            continue
         if not (_OURS_BLOCK.match(name) or _OURS_HEAD.match(name)):
             raise CheckpointError(f"{f}: unexpected tensor {name!r} in a specserve-medusa checkpoint")
         entries[name] = (name, t)
     declared = {k: cfg.get(k) for k in ("num_heads", "num_layers", "bias")}
     declared["shared_lm_head"] = cfg.get("shared_lm_head")
-    return _assemble(p, entries, hidden_size, vocab_size, declared, strict=True, base_model=cfg.get("base_model"))
+    return _assemble(p, entries, hidden_size, vocab_size, declared, strict=True, base_model=cfg.get("base_model"),
+                     token_map=token_map, draft_vocab_size=cfg.get("draft_vocab_size"))
 
 
 def _load_vllm(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_size: int, vocab_size: int):
     cfg = _vllm_rename(cfg)
     tvs, cv = cfg.get("truncated_vocab_size"), cfg.get("vocab_size")
-    if tvs is not None and cv is not None and int(tvs) < int(cv):
-        raise CheckpointError(f"{p}: truncated-vocab Medusa checkpoints (token_map) are not supported yet")
+    truncated = int(tvs) if tvs is not None and cv is not None and int(tvs) < int(cv) else None
+    token_map = None
     files = [weights_file] if weights_file is not None else _dir_weight_files(d)
     if not files:
         raise CheckpointError(f"{p}: vLLM Medusa config.json but no weights (*.safetensors, *.bin, *.pt)")
@@ -136,7 +142,8 @@ def _load_vllm(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
         for src, t in _read_file(f).items():
             name = src[len("medusa_heads."):] if src.startswith("medusa_heads.") else src
             if name == "token_map":
-                raise CheckpointError(f"{p}: truncated-vocab Medusa checkpoints (token_map) are not supported yet")
+                token_map = t
+                continue
             m = _VLLM_BLOCK.match(name)
             if m:
                 entries[f"blocks.{m[1]}.{m[2]}.{m[3]}"] = (src, t)
@@ -153,8 +160,12 @@ def _load_vllm(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
                 "bias": bool(cfg.get("medusa_fc_bias", False))}
     if not shared:
         declared["shared_lm_head"] = False
+    if truncated is not None and token_map is None:
+        raise CheckpointError(f"{p}: truncated_vocab_size {truncated} < vocab_size {cv} but the weights have no "
+                              "token_map (the draft vocabulary's target ids)")
     return _assemble(p, entries, hidden_size, vocab_size, declared, strict=False,
-                     base_model=cfg.get("base_model_name_or_path"), shared=True if shared else None)
+                     base_model=cfg.get("base_model_name_or_path"), shared=True if shared else None,
+                     token_map=token_map, draft_vocab_size=truncated)
 
 
 def _vllm_rename(cfg: dict) -> dict:
@@ -262,9 +273,18 @@ def _fd_entries(where: Path, raw: dict[str, torch.Tensor]) -> Entries:
 
 
 def _assemble(p: Path, entries: Entries, hidden_size: int, vocab_size: int, declared: dict, *, strict: bool,
-              base_model, shared: bool | None = None):
+              base_model, shared: bool | None = None, token_map: torch.Tensor | None = None,
+              draft_vocab_size=None):
     """Infer K, L, bias and shared-ness from ``entries`` (our names), check them against the declared
-    config values (error if ``strict`` else warn) and every tensor's shape against the target."""
+    config values (error if ``strict`` else warn) and every tensor's shape against the target.
+    ``token_map`` (a draft vocabulary's target ids) must list ``draft_vocab_size`` distinct ids of the
+    target vocabulary; own heads then have that many rows."""
+    head_rows = vocab_size
+    if token_map is not None:
+        token_map = _check_token_map(p, token_map, vocab_size, draft_vocab_size)
+        head_rows = vocab_size if token_map is None else token_map.numel()
+    elif draft_vocab_size is not None and int(draft_vocab_size) < vocab_size:
+        raise CheckpointError(f"{p}: draft_vocab_size {draft_vocab_size} but the weights have no token_map")
     if not entries:
         raise CheckpointError(f"{p}: no Medusa head tensors found. Supported formats: {SUPPORTED_FORMATS}")
     block_w: dict[int, set[int]] = {}
@@ -345,7 +365,9 @@ def _assemble(p: Path, entries: Entries, hidden_size: int, vocab_size: int, decl
         raise CheckpointError(f"{p}: Medusa heads have hidden size {d}, the target model has {hidden_size}")
     if vocabs:
         v = vocabs.most_common(1)[0][0]
-        if v != vocab_size:
+        if v != head_rows:
+            if token_map is not None:
+                raise CheckpointError(f"{p}: Medusa heads have {v} vocab rows, the token_map lists {head_rows} tokens")
             raise CheckpointError(f"{p}: Medusa heads have vocab size {v}, the target model has {vocab_size}")
 
     sd: dict[str, torch.Tensor] = {}
@@ -355,20 +377,41 @@ def _assemble(p: Path, entries: Entries, hidden_size: int, vocab_size: int, decl
         elif name.startswith("blocks."):
             expected = (hidden_size, hidden_size)
         else:
-            expected = (vocab_size, hidden_size)
+            expected = (head_rows, hidden_size)
         if tuple(t.shape) != expected:
             raise CheckpointError(f"{p}: Medusa tensor {src!r} has shape {tuple(t.shape)}, expected {expected}")
         if not t.is_floating_point():
             raise CheckpointError(f"{p}: Medusa tensor {src!r} has dtype {t.dtype}, expected a float type")
         sd[name] = t.detach().to(torch.float32).contiguous()
 
+    if token_map is not None:
+        sd["token_map"] = token_map
     cfg = MedusaConfig(num_heads=k, num_layers=n_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-                       shared_lm_head=shared, bias=bias, base_model=base_model)
+                       shared_lm_head=shared, bias=bias, base_model=base_model,
+                       draft_vocab_size=None if token_map is None else token_map.numel())
     try:
         cfg.validate()
     except ValueError as e:
         raise CheckpointError(f"{p}: {e}") from e
     return cfg, sd
+
+
+def _check_token_map(p: Path, t: torch.Tensor, vocab_size: int, declared) -> torch.Tensor:
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise CheckpointError(f"{p}: token_map must be a 1-D integer tensor of target ids, got "
+                              f"{t.dtype} {tuple(t.shape)}")
+    t = t.to(torch.long)
+    if declared is not None and int(declared) != t.numel():
+        raise CheckpointError(f"{p}: the config's draft vocabulary has {declared} tokens, token_map lists {t.numel()}")
+    if t.numel() == 0 or bool((t < 0).any()) or bool((t >= vocab_size).any()):
+        raise CheckpointError(f"{p}: token_map ids must lie in the target vocabulary [0, {vocab_size})")
+    if t.unique().numel() != t.numel():
+        raise CheckpointError(f"{p}: token_map lists a target id twice")
+    if t.numel() == vocab_size:
+        if not torch.equal(t, torch.arange(vocab_size)):
+            raise CheckpointError(f"{p}: a token_map over the whole vocabulary must be the identity")
+        return None  # no draft vocabulary
+    return t.contiguous()
 
 
 # ---- file reading ---------------------------------------------------------------------------------

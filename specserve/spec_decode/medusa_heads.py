@@ -10,10 +10,17 @@ no gather); only a shared head goes through the target's sharded ``lm_head``.
 Our checkpoint format (``specserve-medusa``): a directory with ``config.json``::
 
     {"format": "specserve-medusa", "num_heads": K, "num_layers": L, "hidden_size": d,
-     "vocab_size": V, "shared_lm_head": bool, "bias": bool, "base_model": "..."}
+     "vocab_size": V, "shared_lm_head": bool, "bias": bool, "base_model": "...",
+     "draft_vocab_size": N or null}
 
 and ``medusa.safetensors`` with ``blocks.{h}.{l}.weight`` [d, d], ``blocks.{h}.{l}.bias`` [d] (when
-``bias``) and, unless shared, ``lm_heads.{h}.weight`` [V, d]. Other formats (FasterDecoding, vLLM,
+``bias``) and, unless shared, ``lm_heads.{h}.weight`` [V, d].
+
+A *draft vocabulary* (``draft_vocab_size`` N < V, vLLM's ``truncated_vocab_size``) limits the heads'
+candidates to N target tokens, listed by ``token_map`` [N] (int64 target ids, saved with the weights):
+the heads' logits are then [.., N] (own heads are [N, d]; a shared head uses those N rows of the
+target's lm_head), and drafted indices are mapped through ``token_map``. Drafting gets N/V as
+expensive; verification is unchanged, so it stays lossless. Other formats (FasterDecoding, vLLM,
 Medusa-2 full checkpoints) are converted to these names by ``specserve.spec_decode.medusa_formats``.
 """
 
@@ -42,12 +49,20 @@ class MedusaConfig:
     shared_lm_head: bool = True
     bias: bool = True
     base_model: str | None = None
+    draft_vocab_size: int | None = None  # None: the whole vocabulary; else a token_map of that many ids
 
     def validate(self) -> None:
         if not (1 <= self.num_heads <= 32):
             raise ValueError(f"medusa num_heads must be in 1..32, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"medusa num_layers must be >= 0, got {self.num_layers}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"medusa draft_vocab_size must be in 1..{self.vocab_size - 1}, got {self.draft_vocab_size}")
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Rows of the heads' logits: the draft vocabulary's size, or the whole vocabulary's."""
+        return self.draft_vocab_size or self.vocab_size
 
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self)}
@@ -73,12 +88,18 @@ class MedusaHeads(nn.Module):
             for _ in range(cfg.num_heads)
         )
         self.lm_heads = None
+        Vh = cfg.head_vocab_size
         if not cfg.shared_lm_head:  # replicated on every rank: full vocab, no gather
             self.lm_heads = nn.ModuleList(
-                ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, disable_tp=True, dtype=dtype)
+                ParallelLMHead(Vh, cfg.hidden_size, tp, disable_tp=True, dtype=dtype)
                 for _ in range(cfg.num_heads)
             )
-        self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        self.register_buffer("token_map", torch.arange(Vh) if cfg.draft_vocab_size else None)
+        self.logits_processor = LogitsProcessor(Vh)
+
+    def to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the heads' logits -> target token ids."""
+        return idx if self.token_map is None else self.token_map[idx]
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, K, d]: each head's residual stack applied to the target state."""
@@ -91,7 +112,9 @@ class MedusaHeads(nn.Module):
         return torch.stack(outs, dim=1)
 
     def logits(self, hidden: torch.Tensor, target_lm_head: ParallelLMHead | None = None) -> torch.Tensor:
-        """hidden [N, d] -> logits [N, K, V] (float32)."""
+        """hidden [N, d] -> logits [N, K, V'] (float32; V' = ``cfg.head_vocab_size``, map indices with
+        ``to_target``). A shared head is passed as ``target_lm_head`` (its draft-vocabulary rows when
+        there is a token_map)."""
         states = self.head_states(hidden)
         if self.lm_heads is None:
             if target_lm_head is None:
@@ -110,6 +133,8 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             for h, head in enumerate(self.lm_heads):
                 sd[f"lm_heads.{h}.weight"] = head.weight.detach()
+        if self.token_map is not None:
+            sd["token_map"] = self.token_map
         return sd
 
     def load_state(self, sd: dict[str, torch.Tensor]) -> None:
@@ -125,6 +150,8 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             for h, head in enumerate(self.lm_heads):
                 want[f"lm_heads.{h}.weight"] = head.weight
+        if self.token_map is not None:
+            want["token_map"] = self.token_map
         missing = sorted(set(want) - set(sd))
         if missing:
             raise CheckpointError(f"Medusa checkpoint is missing {', '.join(missing[:6])}")
@@ -137,14 +164,14 @@ class MedusaHeads(nn.Module):
                 raise CheckpointError(f"Medusa tensor {name!r}: checkpoint shape {tuple(t.shape)}, "
                                       f"expected {tuple(p.shape)}")
             with torch.no_grad():
-                p.copy_(t)
+                p.copy_(t.to(p.dtype))
 
     def save(self, out_dir: str | Path, dtype=torch.bfloat16, extra_config: dict | None = None) -> Path:
         from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.to(dtype).contiguous() for k, v in self.state_for_save().items()},
-                  str(out / "medusa.safetensors"))
+        save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+                   for k, v in self.state_for_save().items()}, str(out / "medusa.safetensors"))
         (out / "config.json").write_text(json.dumps({**self.cfg.to_json(), **(extra_config or {})}, indent=2))
         return out

@@ -6,6 +6,8 @@
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
   generation engine's own when it already runs in float32).
+- ``select_draft_vocab``: a draft vocabulary (the most frequent response tokens) for drafters whose
+  logits cover only part of the target's vocabulary.
 """
 
 from __future__ import annotations
@@ -61,3 +63,16 @@ def float32_runner(llm, gen_dtype_arg: str):
     model_dir = llm.engine.model_dir
     llm.shutdown()
     return ModelRunner(model_dir, dtype="float32", max_num_seqs=1), False
+
+
+def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens of the responses (ties and unseen tokens: lowest id first),
+    as target ids in increasing order [size] long: the draft vocabulary (``t2d``'s true rows)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in samples:
+        resp = torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long)
+        counts.index_add_(0, resp, torch.ones(resp.numel(), dtype=torch.float64))
+    score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)  # ties: lower id
+    return score.topk(size).indices.sort().values

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import distill_splits, float32_runner, select_prompts
+from specserve.train.common import distill_splits, float32_runner, select_draft_vocab, select_prompts
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
 from specserve.train.medusa import _bar, _cosine, round_to_bf16_, target_lm_head
 
@@ -265,19 +265,6 @@ def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[in
         vocab_size=tcfg.vocab_size,
         draft_vocab_size=draft_vocab_size if 0 < draft_vocab_size < tcfg.vocab_size else tcfg.vocab_size,
         source_format="specserve train dspark")
-
-
-def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` most frequent tokens of the responses (ties and unseen tokens: lowest id first),
-    as target ids in increasing order [size] long: the draft vocabulary (``t2d``'s true rows)."""
-    if not 0 < size <= vocab_size:
-        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for s in samples:
-        resp = torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long)
-        counts.index_add_(0, resp, torch.ones(resp.numel(), dtype=torch.float64))
-    score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)  # ties: lower id
-    return score.topk(size).indices.sort().values
 
 
 def set_draft_vocab_(drafter, vocab_ids: torch.Tensor, lm_w: torch.Tensor) -> None:

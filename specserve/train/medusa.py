@@ -14,7 +14,9 @@
    Loss = sum_k 0.8^k * CE_k. With a shared ``lm_head`` (default) the logits use the target's frozen
    ``lm_head`` weight via ``F.linear``; ``--own-lm-head`` gives each head its own trainable copy
    (initialised from the target's, as Medusa-1 does). AdamW, cosine schedule with linear warm-up,
-   mini-batches of positions.
+   mini-batches of positions. ``--draft-vocab-size N``: the heads draft among the N most frequent
+   response tokens only (a ``token_map`` saved with the weights); logits, loss and accuracy are then
+   over those N rows (a label outside them counts as a miss and adds no loss), N/V of the cost.
 4. **Evaluation and checkpoint.** Per-head top-1/top-5 (and top-1..10) accuracy on the held-out
    sequences, measured with the weights rounded to bfloat16 (what is saved). The checkpoint is
    written by ``MedusaHeads.save`` (``config.json`` + ``medusa.safetensors``) with the training
@@ -34,10 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import distill_splits, select_prompts
+from specserve.train.common import distill_splits, select_draft_vocab, select_prompts
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
 
 IGNORE = -100
+OUTSIDE = -1  # a label outside the draft vocabulary: a miss in the accuracy, no loss
 TOPK_RECORDED = 10
 
 
@@ -66,6 +69,7 @@ class MedusaTrainArgs:
     gen_dtype: str = "auto"  # dtype of the target while it writes the responses
     chat: bool = True  # apply the target's chat template to the prompts
     progress: bool = True  # tqdm bars
+    draft_vocab_size: int = 0  # 0: the whole vocabulary; else a token_map of the most frequent response tokens
 
     def validate(self) -> None:
         for name in ("num_heads", "num_prompts", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
@@ -73,6 +77,8 @@ class MedusaTrainArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab_size}")
         if self.num_eval_prompts is not None and self.num_eval_prompts < 1:
             raise ValueError(f"num_eval_prompts must be >= 1, got {self.num_eval_prompts}")
         if not (self.lr > 0):
@@ -207,7 +213,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
         hits += match.sum(0).double()
         n += ok.sum(0).double()
         ce = F.cross_entropy(logits.reshape(-1, V), yk.reshape(-1).clamp(min=0), reduction="none").view(yk.shape)
-        loss += (ce * ok).sum(0).double()
+        loss += (ce * (yk >= 0)).sum(0).double()
         base = F.linear(h, lm_w, lm_b).argmax(-1)
         base_ok = y[:, 0] != IGNORE
         base_hits += float(((base == y[:, 0]) & base_ok).sum())
@@ -265,6 +271,7 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
         for s in range(steps_per_epoch):
             idx = perm[s * batch_size : (s + 1) * batch_size]
             h, y = H[idx], labels[idx, 1:]
+            y = torch.where(y == OUTSIDE, IGNORE, y)
             logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
             ok = y != IGNORE
             ce = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE,
@@ -369,6 +376,18 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     H, Y = build_examples(hid_train, train_s, args.num_heads)
     Hh, Yh = build_examples(hid_held, held_s, args.num_heads)
     del hid_train, hid_held
+    V = cfg_t.vocab_size
+    vocab_ids, coverage = None, 1.0
+    if 0 < args.draft_vocab_size < V:  # logits over the draft vocabulary: its lm_head rows, labels remapped
+        vocab_ids = select_draft_vocab(train_s, V, args.draft_vocab_size)
+        to_draft = torch.full((V,), OUTSIDE, dtype=torch.long)
+        to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
+        Y, Yh = (torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)]) for y in (Y, Yh))
+        lm_w, lm_b = lm_w[vocab_ids], None if lm_b is None else lm_b[vocab_ids]
+        yh = Yh[:, 1][Yh[:, 1] != IGNORE]
+        coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
+        log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
+            f"{100 * coverage:.2f}% of the held-out labels")
     timings["hidden_states_s"] = time.perf_counter() - t
     n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
     log(f"{len(train_s)} training sequences ({n_resp} response tokens) -> {len(H)} positions; "
@@ -377,8 +396,11 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     # -- heads
     mcfg = MedusaConfig(num_heads=args.num_heads, num_layers=args.num_layers, hidden_size=cfg_t.hidden_size,
                         vocab_size=cfg_t.vocab_size, shared_lm_head=not args.own_lm_head, bias=True,
-                        base_model=args.model or "default:SmolLM2-135M-Instruct")
+                        base_model=args.model or "default:SmolLM2-135M-Instruct",
+                        draft_vocab_size=None if vocab_ids is None else vocab_ids.numel())
     heads = MedusaHeads(mcfg, dtype=torch.float32)
+    if vocab_ids is not None:
+        heads.token_map.copy_(vocab_ids)
     if heads.lm_heads is not None:  # Medusa-1: each head's own projection starts as the target's
         for hd in heads.lm_heads:
             with torch.no_grad():
@@ -426,6 +448,8 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "train_positions": len(H),
         "heldout_positions": len(Hh),
         "train_response_tokens": n_resp,
+        "draft_vocab_size": None if vocab_ids is None else vocab_ids.numel(),
+        "heldout_draft_vocab_coverage": round(coverage, 5),
         "steps": tr["steps"],
         "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
         "heldout_top1": [round(x, 5) for x in ev["top1"]],
@@ -453,6 +477,11 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
         f"| {k} | t+{k + 2} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} | {zero['top1'][k]:.3f} | {ev['n'][k]} |"
         for k in range(K))
     tm = meta["timings_s"]
+    vocab = ""
+    if cfg.draft_vocab_size:
+        vocab = (f"; drafting among the {cfg.draft_vocab_size:,} most frequent response tokens only (`token_map`, "
+                 f"covering {100 * meta['heldout_draft_vocab_coverage']:.2f}% of the held-out labels; accuracies "
+                 "below count the others as misses)")
     phases = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in tm.items() if k != "total_s")
     return f"""# Medusa heads for {meta['target_model']}
 
@@ -460,7 +489,7 @@ Generated by `specserve train medusa` (Medusa-1: the target is frozen; only the 
 
 - **Command:** `{meta['command']}`
 - **Heads:** {K} heads x {cfg.num_layers} ResBlock(s), hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size},
-  {'the target lm_head shared (frozen)' if cfg.shared_lm_head else 'own lm_head per head (initialised from the target)'};
+  {'the target lm_head shared (frozen)' if cfg.shared_lm_head else 'own lm_head per head (initialised from the target)'}{vocab};
   weights stored in bfloat16 (`medusa.safetensors`), format `specserve-medusa` (`config.json`).
 - **Data:** {meta['data']}. The target wrote the responses itself (self-distillation: max
   {meta['self_distillation']['max_tokens']} tokens, temperature {meta['self_distillation']['temperature']},

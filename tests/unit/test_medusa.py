@@ -15,14 +15,16 @@ from test_spec_engine import assert_same_distribution, sample_prefixes
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
 
-def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5):
+def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5, draft_vocab=None):
     torch.manual_seed(seed)
     cfg = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
-                       shared_lm_head=shared)
+                       shared_lm_head=shared, draft_vocab_size=draft_vocab)
     heads = MedusaHeads(cfg)
     with torch.no_grad():
         for p in heads.parameters():
             p.copy_(torch.randn_like(p) * scale)
+        if draft_vocab:  # a scattered draft vocabulary of target ids
+            heads.token_map.copy_(torch.randperm(vocab)[:draft_vocab].sort().values)
     heads.save(path, dtype=torch.float32)
     return path
 
@@ -34,6 +36,9 @@ def tiny_heads(tiny_llama, tmp_path_factory):
     return {
         "shared": make_heads(root / "shared", cfg["hidden_size"], cfg["vocab_size"]),
         "own": make_heads(root / "own", cfg["hidden_size"], cfg["vocab_size"], num_layers=2, shared=False),
+        "shared-draft-vocab": make_heads(root / "sdv", cfg["hidden_size"], cfg["vocab_size"], draft_vocab=60),
+        "own-draft-vocab": make_heads(root / "odv", cfg["hidden_size"], cfg["vocab_size"], shared=False,
+                                      draft_vocab=60),
     }
 
 
@@ -62,7 +67,7 @@ def test_greedy_tree_and_expected_tokens():
     assert expected_tokens(paths, acc) == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12)
 
 
-@pytest.mark.parametrize("kind", ["shared", "own"])
+@pytest.mark.parametrize("kind", ["shared", "own", "shared-draft-vocab", "own-draft-vocab"])
 @pytest.mark.parametrize("tree", [None, 6, [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
 def test_greedy_identical_to_plain(tiny_llama, tiny_heads, kind, tree):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -163,3 +168,29 @@ def test_tp2_medusa_equals_tp1_heads_replicated(tiny_llama, tiny_heads, kind):
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert counts[0] == counts[1]  # the driver ran no extra (head) collective
+
+
+@pytest.mark.parametrize("kind", ["shared-draft-vocab", "own-draft-vocab"])
+def test_draft_vocabulary_proposals_are_mapped_target_ids(tiny_llama, tiny_heads, kind):
+    """With a token_map the heads' logits cover its 60 tokens only; chain drafts are the target ids of
+    their argmax (a shared head uses those rows of the target's lm_head), tree candidates likewise."""
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3})
+    eng = llm.engine
+    seq = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10))
+    eng.step()
+    prop = eng.proposer
+    from specserve.spec_decode import ProposeInputs
+
+    tmap = prop.heads.token_map
+    assert tmap.shape == (60,)
+    h = prop._hidden[seq.seq_id]
+    drafts = prop.propose(ProposeInputs([seq], [3])).chains[0]
+    if kind.startswith("shared"):
+        full_w = eng.runner.model.lm_head.weight[:257]
+        logits = prop.heads.head_states(h[None])[0] @ full_w[tmap].T  # [K, 60]
+        assert prop.lm_head.weight.shape == (60, 64)
+    else:
+        logits = prop.heads.logits(h[None])[0]
+    assert logits.shape[-1] == 60
+    assert drafts == tmap[logits[:3].argmax(-1)].tolist() and set(drafts) <= set(tmap.tolist())

@@ -240,17 +240,39 @@ def test_vllm_original_lm_head(tmp_path):
     assert cfg.shared_lm_head
 
 
-def test_vllm_token_map_rejected(tmp_path):
-    raw = make_raw(layers=1, bias=False)
-    write_json(tmp_path / "config.json", vllm_config(raw, truncated_vocab_size=20))
+def test_vllm_truncated_vocab_token_map(tmp_path):
+    """vLLM's truncated vocabulary: own heads of truncated_vocab_size rows + token_map (their target ids)."""
+    NT = 20
+    raw = make_raw(layers=1, bias=False, v=NT)
+    tmap = torch.randperm(V, generator=torch.Generator().manual_seed(4))[:NT]
+    write_json(tmp_path / "config.json", vllm_config(raw, truncated_vocab_size=NT))
+    save_file({**vllm_state(raw), "token_map": tmap}, str(tmp_path / "model.safetensors"))
+    cfg, sd = load_medusa_checkpoint(tmp_path, D, V)
+    assert cfg.draft_vocab_size == NT and cfg.head_vocab_size == NT and torch.equal(sd["token_map"], tmap)
+    heads = MedusaHeads(cfg)
+    heads.load_state(sd)
+    hidden = torch.randn(5, D, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = heads.logits(hidden)
+    torch.testing.assert_close(got, reference(hidden, raw, None), rtol=1e-5, atol=1e-5)
+    assert torch.equal(heads.to_target(got.argmax(-1)), tmap[got.argmax(-1)])
+    # our format round-trips it
+    heads.save(tmp_path / "ours", dtype=torch.float32)
+    cfg2, sd2 = load_medusa_checkpoint(tmp_path / "ours", D, V)
+    assert cfg2 == cfg and torch.equal(sd2["token_map"], tmap)
+    # errors: a truncated config without a token_map; a token_map that disagrees with the heads
     save_file(vllm_state(raw), str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"truncated-vocab Medusa checkpoints \(token_map\) are not supported"):
+    with pytest.raises(CheckpointError, match="truncated_vocab_size 20 < vocab_size .* no token_map"):
         load_medusa_checkpoint(tmp_path, D, V)
-    # a token_map tensor alone is rejected too
     write_json(tmp_path / "config.json", vllm_config(raw))
-    save_file({**vllm_state(raw), "token_map": torch.arange(20)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"\(token_map\) are not supported yet"):
+    save_file({**vllm_state(raw), "token_map": tmap[:10]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="20 vocab rows, the token_map lists 10 tokens"):
         load_medusa_checkpoint(tmp_path, D, V)
+    for bad, msg in ((torch.tensor([0] * NT), "twice"), (torch.arange(NT) + V, r"\[0, "),
+                     (torch.arange(NT).float(), "integer")):
+        save_file({**vllm_state(raw), "token_map": bad}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=msg):
+            load_medusa_checkpoint(tmp_path, D, V)
 
 
 def test_vllm_bias_in_weights_but_not_config_warns(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve import LLM, SamplingParams
 from specserve.train.data import is_heldout, read_prompts_file, split_prompts
 from specserve.train.medusa import IGNORE, build_examples
 
@@ -116,9 +117,26 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, 
 
     # a rerun with the same data reuses the cached generations and hidden states
     logs.clear()
-    args2 = MedusaTrainArgs(**{**args.__dict__, "out": str(tmp_path / "heads2"), "epochs": 1})
-    train_medusa(args2, log=logs.append)
+    # (heads over a draft vocabulary of the 100 most frequent response tokens)
+    args2 = MedusaTrainArgs(**{**args.__dict__, "out": str(tmp_path / "heads2"), "epochs": 2, "draft_vocab_size": 100})
+    res2 = train_medusa(args2, log=logs.append)
     assert sum("cached" in m for m in logs) == 4, logs
+    heads2, cfg2 = _load_heads(tmp_path / "heads2")
+    assert cfg2["draft_vocab_size"] == 100 and heads2.token_map.shape == (100,)
+    assert bool((heads2.token_map[1:] > heads2.token_map[:-1]).all())
+    assert res2["train"]["epoch_loss"][-1] < res2["train"]["epoch_loss"][0]
+    assert 0 < res2["meta"]["heldout_draft_vocab_coverage"] <= 1
+    from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+
+    lcfg2, _ = load_medusa_checkpoint(tmp_path / "heads2", 64, 257)
+    assert lcfg2.draft_vocab_size == 100
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 17, 42], [11, 12, 13, 14, 15]]
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(prompts, params, use_tqdm=False)
+    spec = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
+        "method": "medusa", "model": str(tmp_path / "heads2"), "medusa_tree": 4})
+    out = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
