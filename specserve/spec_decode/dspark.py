@@ -75,9 +75,11 @@ class DSparkDraftWorker:
         self.caches: dict[int, object] = {}
 
     @torch.inference_mode()
-    def observe(self, seq_id: int, features: torch.Tensor, reset: bool) -> None:
-        """Append the target features [n, m*d] of the positions now kept for ``seq_id`` (the cache holds
-        the committed prefix, so they continue it; ``reset``: a new prompt starts at position 0)."""
+    def observe(self, seq_id: int, features, reset: bool) -> None:
+        """Append the target features [n, m*d] (a tensor, or a numpy array: what crosses the pipe to the
+        other ranks, plain bytes) of the positions now kept for ``seq_id`` (the cache holds the committed
+        prefix, so they continue it; ``reset``: a new prompt starts at position 0)."""
+        features = torch.as_tensor(features)
         cache = self.caches.get(seq_id)
         if cache is None:
             cache = self.caches[seq_id] = self.drafter.new_cache()
@@ -93,7 +95,7 @@ class DSparkDraftWorker:
     def propose(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, gen_states=None):
         """One block per sequence, one forward. Returns (``DraftBlock`` with a batch dimension, the
         generators' states after sampling) on the driver, None elsewhere."""
-        gens = [_generator(st) for st in (gen_states or [None] * len(seq_ids))]
+        gens = [_generator(None if st is None else torch.as_tensor(st)) for st in (gen_states or [None] * len(seq_ids))]
         blk = self.drafter.propose_batch(anchors, starts, [self.caches[i] for i in seq_ids], self.embed,
                                          self.logits_fn, temperatures, gens, num_drafts)
         if not self.tp.is_driver:
@@ -209,7 +211,10 @@ class DSparkProposer(Proposer):
         self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1)
 
     def observe(self, seq, last_hidden, aux, reset) -> None:
-        self.target.call_helper(self.name, "observe", seq.seq_id, torch.cat(aux, dim=-1), reset)
+        feats = torch.cat(aux, dim=-1)
+        if self.target.tp.size > 1:  # plain bytes through the pipe, no shared-memory tensor handles
+            feats = feats.float().numpy()
+        self.target.call_helper(self.name, "observe", seq.seq_id, feats, reset)
 
     def forget(self, seq) -> None:
         self.target.call_helper(self.name, "forget", seq.seq_id)
@@ -227,7 +232,7 @@ class DSparkProposer(Proposer):
             s = seqs[b]
             t = s.params.temperature if probabilistic and not s.params.greedy else None
             temps.append(t)
-            states.append(s.generator.get_state() if t is not None else None)
+            states.append(s.generator.get_state().numpy() if t is not None else None)
         t0 = time.perf_counter()
         blk, new_states = self.target.call_helper(
             self.name, "propose", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],

@@ -150,17 +150,24 @@ def test_tp2_dspark_equals_tp1_and_counts_collectives(tiny_llama, tmp_path, repl
     drafter = write_random_drafter(tmp_path / "d", tiny_llama, markov_rank=8)
     dflash = write_random_drafter(tmp_path / "f", tiny_llama, markov_rank=0)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    spec = {"method": "dspark", "model": str(drafter), "markov_replicate": replicate}
-    ref = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec).generate(PROMPTS, params, use_tqdm=False)
+    spec = {"method": "dspark", "model": str(drafter), "markov_replicate": replicate,
+            "draft_sample_method": "probabilistic"}
+    # greedy, and seeded sampling with drafts sampled on both ranks from the same generator states
+    sampled = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    one = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec)
+    ref = one.generate(PROMPTS, params, use_tqdm=False)
+    ref_s = one.generate(PROMPTS, sampled, use_tqdm=False)
     llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec)
     try:
         runner = llm.engine.runner
         shapes = runner.helper_report("dspark", "markov_weight_shapes")
         step = runner.helper_report("dspark", "draft_step_collectives", 2)
         out = llm.generate(PROMPTS, params, use_tqdm=False)
+        out_s = llm.generate(PROMPTS, sampled, use_tqdm=False)
         counts = runner.collective_counts()
     finally:
         llm.shutdown()
+    assert [o.outputs[0].token_ids for o in out_s] == [o.outputs[0].token_ids for o in ref_s]
     base = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
                speculative_config={"method": "dspark", "model": str(dflash)})
     try:
