@@ -44,6 +44,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if mkldnn_packing_available(torch.bfloat16) else torch.float32
 
 
+def pack_linears(module: torch.nn.Module) -> None:
+    """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
+    costs little more than one token's (call after the weights are loaded)."""
+    for m in module.modules():
+        if isinstance(m, (LinearBase, ParallelLMHead)):
+            m.pack()
+
+
 @dataclass
 class StepOutput:
     logits: torch.Tensor | None  # [B, V] ("last") or [B, Q, V] ("all"), float32; None on non-driver ranks
@@ -64,10 +72,9 @@ class ModelRunner:
             model = LlamaForCausalLM(self.config, self.tp, self.dtype)
         load_weights(model, iter_safetensors(model_dir))
         self.model = model.to(device).eval()
-        if device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype):
-            for m in self.model.modules():
-                if isinstance(m, (LinearBase, ParallelLMHead)):
-                    m.pack()
+        self.packed = device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype)
+        if self.packed:
+            pack_linears(self.model)
         cfg = self.config
         self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
                           self.dtype, device)
@@ -221,6 +228,7 @@ class TPRunner:
         self.config, self.dtype, self.tp = self.local.config, self.local.dtype, self.local.tp
         self.max_num_seqs = max_num_seqs
         self.model_dir = self.local.model_dir
+        self.packed = self.local.packed
 
     def _call(self, name, *args, **kwargs):
         for c in self.conns:

@@ -70,6 +70,10 @@ class DSparkDraftWorker:
         self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=runner.dtype, markov_replicate=markov_replicate)
         self.drafter.load_state(sd)
         self.drafter.eval().requires_grad_(False)
+        if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
+            from specserve.engine.model_runner import pack_linears
+
+            pack_linears(self.drafter)
         self.embed = runner.model.model.embed_tokens
         self.logits_fn = runner.model.compute_logits
         self.caches: dict[int, object] = {}

@@ -100,6 +100,10 @@ class MedusaProposer(Proposer):
         self.heads = MedusaHeads(cfg, target.tp, dtype=target.dtype)
         self.heads.load_state(sd)
         self.heads.eval().requires_grad_(False)
+        if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
+            from specserve.engine.model_runner import pack_linears
+
+            pack_linears(self.heads)
         self.target = target
         self.lm_head: ParallelLMHead = target.model.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
@@ -110,7 +114,7 @@ class MedusaProposer(Proposer):
             sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
             with torch.no_grad():
                 sub.weight.copy_(full[rows].to(target.dtype))
-            if self.lm_head.packed is not None:
+            if getattr(target, "packed", False):
                 sub.pack()
             self.lm_head = sub
         elif cfg.shared_lm_head and self.lm_head.tp_size > 1:
