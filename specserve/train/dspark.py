@@ -34,8 +34,8 @@
    blocks: one temperature per slot, fitted left to right by grid search so that the cumulative
    product ``prod_{i<=j} sigmoid(z_i / T_i)`` has the lowest ECE against the cumulative product of
    the labels ``prod_{i<=j} c*_i``. Stored in ``config.json`` as ``confidence_temperatures``: a
-   proposer that wants calibrated confidences divides slot k's confidence logit by ``T_k`` (the
-   engine's proposer currently uses the raw head).
+   proposer divides slot k's confidence logit by ``T_k`` (the engine's does, for the "threshold" and
+   "auto" verification modes).
 6. **Draft vocabulary** (``--draft-vocab-size N``, default 0 = the target's): the N most frequent
    tokens of the training responses, with the drafter's own lm_head over them (initialised from the
    target's rows and trained) and ``d2t``. Drafting then costs an [N, d] GEMM instead of [V, d]. The
@@ -963,8 +963,8 @@ head and confidence head see the true previous token, i.e. the prefix was accept
   responses were generated at temperature 0), and its cumulative rate: what greedy decoding with greedy
   drafts accepts.
 - STS: the confidence head's per-slot temperature (`confidence_temperatures` in `config.json`; divide
-  slot k's confidence logit by T_k to use the calibrated confidence; the engine's proposer does not
-  apply it yet) and the ECE of the cumulative confidence product against the cumulative c* before
+  slot k's confidence logit by T_k to use the calibrated confidence, as the engine's proposer does for
+  the threshold and auto verification modes) and the ECE of the cumulative confidence product against the cumulative c* before
   (T = 1) and after the fit (fitted and measured on the same held-out blocks).
 
 | slot k | predicts | c* | cumulative | greedy | greedy cumulative | STS T_k | ECE | blocks |
