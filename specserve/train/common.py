@@ -6,17 +6,24 @@
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
   generation engine's own when it already runs in float32).
+- ``start_run`` / ``TrainRun`` / ``keep_num_threads``: the opening both trainers share (threads, seed,
+  cache, prompts, the target loaded for generation) and their thread-count restore.
 - ``select_draft_vocab``: a draft vocabulary (the most frequent response tokens) for drafters whose
   logits cover only part of the target's vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from specserve.train.data import DataError, load_prompts, read_prompts_file, self_distill, split_prompts
+from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, self_distill,
+                                  split_prompts)
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
@@ -76,3 +83,69 @@ def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch
         counts.index_add_(0, resp, torch.ones(resp.numel(), dtype=torch.float64))
     score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)  # ties: lower id
     return score.topk(size).indices.sort().values
+
+
+@contextlib.contextmanager
+def keep_num_threads():
+    """Restore torch's thread count on exit (a trainer's ``--threads`` must not leak to the caller)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class TrainRun:
+    """The opening both trainers share: the prompts and the target loaded for generation (``llm``).
+    ``timings`` holds ``prompts_s``; ``t_distill`` is when the self-distillation phase began (loading
+    the target counts toward it)."""
+
+    t_start: float
+    cache_dir: Path
+    train_p: list
+    held_p: list
+    data_desc: str
+    llm: object
+    t_distill: float
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.llm.engine.model_dir
+
+    @property
+    def gen_dtype(self) -> str:
+        return str(self.llm.engine.runner.dtype).removeprefix("torch.")
+
+    def describe(self, args) -> str:
+        """The log line naming the target, the prompts and the generation settings."""
+        return (f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({self.model_dir}), generation dtype "
+                f"{self.gen_dtype}; {len(self.train_p)} training + {len(self.held_p)} held-out prompts, max "
+                f"{args.max_tokens} tokens, temperature {args.temperature}")
+
+    def distill(self, args, log=None) -> tuple[list[dict], list[dict]]:
+        """``distill_splits`` of the run's prompts with the trainer's generation options."""
+        return distill_splits(self.llm, self.train_p, self.held_p, max_tokens=args.max_tokens,
+                              temperature=args.temperature, batch_size=args.gen_batch_size, seed=args.seed,
+                              chat=args.chat, cache_dir=self.cache_dir, log=log)
+
+
+def start_run(args) -> TrainRun:
+    """Set threads and seed, choose the prompts, load the target for generation (``args``: a trainer's
+    arguments: threads, seed, cache_dir, prompts_file, num_prompts, eval_prompts, model, gen_dtype,
+    gen_batch_size)."""
+    from specserve import LLM
+
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cache_dir = args.cache_dir or default_cache_dir()
+    t = time.perf_counter()
+    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
+    timings = {"prompts_s": time.perf_counter() - t}
+    t_distill = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
+              num_threads=args.threads)
+    return TrainRun(t_start, Path(cache_dir), train_p, held_p, data_desc, llm, t_distill, timings)

@@ -68,8 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import distill_splits, float32_runner, select_draft_vocab, select_prompts
-from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
+from specserve.train.common import float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, _cosine, round_to_bf16_, target_lm_head
 
 IGNORE = -100
@@ -609,7 +609,6 @@ def ece(pred: torch.Tensor, target: torch.Tensor, bins: int = ECE_BINS) -> float
     if pred.numel() == 0:
         return 0.0
     idx = (pred.clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    n = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(pred, dtype=torch.float64))
     sp = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, pred.double())
     st = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, target.double())
     return float((sp - st).abs().sum() / pred.numel())
@@ -719,11 +718,8 @@ def train_dspark(args: DSparkTrainArgs, command: str | None = None, log=stderr_l
     (``evaluate_drafter`` summaries), ``sts``, ``train``, ``meta``, ``config`` (the DSparkConfig as a
     dict) and ``train_samples`` / ``heldout_samples``."""
     args.validate()
-    threads_before = torch.get_num_threads()
-    try:
+    with keep_num_threads():
         return _train_dspark(args, command, log)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _summary(ev: dict) -> dict:
@@ -732,27 +728,14 @@ def _summary(ev: dict) -> dict:
 
 
 def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
-    from specserve import LLM
     from specserve.spec_decode.dspark_model import DFlashDrafter
 
-    t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    cache_dir = args.cache_dir or default_cache_dir()
-
-    # -- prompts
-    t = time.perf_counter()
-    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
-    timings["prompts_s"] = time.perf_counter() - t
+    run = start_run(args)
+    t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
+    data_desc, gen_dtype = run.data_desc, run.gen_dtype
 
     # -- self-distillation
-    t = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
-              num_threads=args.threads)
-    model_dir = llm.engine.model_dir
-    gen_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    t = run.t_distill
     tcfg = llm.engine.runner.config
     try:
         layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
@@ -762,12 +745,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     except ValueError:
         llm.shutdown()
         raise
-    log(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({model_dir}), generation dtype {gen_dtype}; "
-        f"{len(train_p)} training + {len(held_p)} held-out prompts, max {args.max_tokens} tokens, "
-        f"temperature {args.temperature}; target layers {layer_ids}, mask token {mask_id}")
-    train_s, held_s = distill_splits(llm, train_p, held_p, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
-                                     cache_dir=cache_dir, log=log)
+    log(f"{run.describe(args)}; target layers {layer_ids}, mask token {mask_id}")
+    train_s, held_s = run.distill(args, log)
     timings["self_distill_s"] = time.perf_counter() - t
 
     # -- target features (float32 target, once)
@@ -780,7 +759,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
     if kept:
         llm.shutdown()
-    del llm, runner, model
+    del llm, run, runner, model
     timings["features_s"] = time.perf_counter() - t
     n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
     log(f"{len(train_s)} training sequences ({n_resp} response tokens), {len(held_s)} held-out sequences")

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import distill_splits, select_draft_vocab, select_prompts
-from specserve.train.data import DataError, _model_fingerprint, cached_torch, default_cache_dir, stderr_log
+from specserve.train.common import float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 
 IGNORE = -100
 OUTSIDE = -1  # a label outside the draft vocabulary: a miss in the accuracy, no loss
@@ -317,62 +317,34 @@ def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_l
     ``out``, ``timings`` (seconds per phase), ``heldout`` / ``heldout_zero_init`` (``evaluate_heads``
     results), ``train`` (``train_heads`` result), counts, and ``train_samples`` / ``heldout_samples``."""
     args.validate()
-    threads_before = torch.get_num_threads()
-    try:
+    with keep_num_threads():
         return _train_medusa(args, command, log)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
-    from specserve import LLM
-    from specserve.engine.model_runner import ModelRunner
     from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 
-    t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    cache_dir = args.cache_dir or default_cache_dir()
-
-    # -- prompts
-    t = time.perf_counter()
-    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
-    timings["prompts_s"] = time.perf_counter() - t
+    run = start_run(args)
+    t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
+    data_desc, gen_dtype = run.data_desc, run.gen_dtype
 
     # -- self-distillation
-    t = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
-              num_threads=args.threads)
-    model_dir = llm.engine.model_dir
-    gen_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
-    log(f"target {args.model or 'default (SmolLM2-135M-Instruct)'} ({model_dir}), generation dtype {gen_dtype}; "
-        f"{len(train_p)} training + {len(held_p)} held-out prompts, max {args.max_tokens} tokens, "
-        f"temperature {args.temperature}")
-    train_s, held_s = distill_splits(llm, train_p, held_p, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
-                                     cache_dir=cache_dir, log=log)
-    runner = llm.engine.runner
-    llm_kept = runner.dtype == torch.float32 and args.gen_dtype in ("auto", "float32", "fp32")
-    if not llm_kept:
-        llm.shutdown()
-        del llm
+    t = run.t_distill
+    log(run.describe(args))
+    train_s, held_s = run.distill(args, log)
     timings["self_distill_s"] = time.perf_counter() - t
 
     # -- hidden states (float32 target, once)
     t = time.perf_counter()
-    if not llm_kept:
-        runner = ModelRunner(model_dir, dtype="float32", max_num_seqs=1)
+    runner, kept = float32_runner(llm, args.gen_dtype)
     model = runner.model
     hid_train = cached_hidden_states(model, model_dir, train_s, cache_dir, log, args.progress)
     hid_held = cached_hidden_states(model, model_dir, held_s, cache_dir, log, args.progress)
     lm_w, lm_b = target_lm_head(model)
     cfg_t = runner.config
-    if llm_kept:
+    if kept:
         llm.shutdown()
-        del llm
-    del runner, model
+    del llm, run, runner, model
     H, Y = build_examples(hid_train, train_s, args.num_heads)
     Hh, Yh = build_examples(hid_held, held_s, args.num_heads)
     del hid_train, hid_held
