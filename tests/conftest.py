@@ -98,6 +98,24 @@ def hf_model(path, dtype=torch.float32):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@pytest.fixture(scope="module")
+def tiny_prompts(tmp_path_factory) -> Path:
+    """A prompts file of 60 random lines of tiny-vocabulary words (the trainers' --prompts)."""
+    import random
+
+    r = random.Random(0)
+    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    p.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(3, 8))) + "\n"
+                         for _ in range(60)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """A training cache (self-distillation, target features) per test module."""
+    return tmp_path_factory.mktemp("train_cache")
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from specserve.models.loader import resolve_model_dir

@@ -6,7 +6,6 @@ DeepSpec checkpoint that ``load_dspark_checkpoint`` and the engine load, lossles
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -16,28 +15,6 @@ from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate
                                     drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights)
 
 PROMPTS = ["w5 w17 w99 w3", "w200 w1 w2", "w42 w42 w7 w8 w9"]
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield 1
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny_prompts(tmp_path_factory) -> Path:
-    r = random.Random(0)
-    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    p.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(3, 8))) + "\n"
-                         for _ in range(60)))
-    return p
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("train_cache")
 
 
 def _target_cfg(model_dir: Path):
@@ -85,7 +62,7 @@ def test_default_target_layer_ids():
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
-def test_training_forward_equals_proposer_block_forward(one_thread, head_type):
+def test_training_forward_equals_proposer_block_forward(head_type):
     """Every block of the packed training forward (many anchors and sequences, padding) gives the
     slot states and Markov-corrected logits of the proposer's per-block forward over a DraftCache."""
     from specserve.spec_decode.dspark_model import draft_block
@@ -163,7 +140,7 @@ def _greedy_identical(model_dir: Path, drafter: Path, method: str) -> dict:
     return m
 
 
-def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, one_thread):
+def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     from safetensors import safe_open
 
     from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
@@ -230,7 +207,7 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, 
     _greedy_identical(tiny_llama, tmp_path / "d2", "dspark")
 
 
-def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
+def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     from specserve.entrypoints.cli import main
     from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,29 +16,6 @@ from specserve.train.data import is_heldout, read_prompts_file, split_prompts
 from specserve.train.medusa import IGNORE, build_examples
 
 HAVE_CHITCHAT = importlib.util.find_spec("chitchat_dataset") is not None
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny ops on 2 busy cores are dominated by thread hand-offs: run these tests on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield 1
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tiny_prompts(tmp_path_factory) -> Path:
-    r = random.Random(0)
-    p = tmp_path_factory.mktemp("prompts") / "prompts.txt"
-    p.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(3, 8))) + "\n"
-                         for _ in range(60)))
-    return p
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("train_cache")
 
 
 def _load_heads(out: Path):
@@ -68,7 +44,7 @@ def test_examples_align_head_k_with_token_t_plus_k_plus_2():
             assert Y[row, 1 + k] == want
 
 
-def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, one_thread):
+def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     from specserve.engine.model_runner import ModelRunner
     from specserve.spec_decode.medusa_heads import MedusaHeads
     from specserve.train.medusa import (MedusaTrainArgs, compute_hidden_states, evaluate_heads, target_lm_head,
@@ -139,7 +115,7 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path, 
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys, one_thread):
+def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     from specserve.entrypoints.cli import main
 
     out = tmp_path / "own"
