@@ -100,12 +100,16 @@ def write_deepspec(path, markov_rank=R, head_type="vanilla", confidence=True, wi
             "layer_types": ["full_attention"] * 2, "tie_word_embeddings": False, "markov_rank": markov_rank,
             "markov_head_type": head_type, "enable_confidence_head": confidence,
             "confidence_head_with_markov": with_markov}
-    conf.update(overrides)
-    conf = {k: v for k, v in conf.items() if v is not None}
+    write_checkpoint(path, conf, weights, overrides)
+    return sd
+
+
+def write_checkpoint(path, conf: dict, weights: dict, overrides: dict) -> None:
+    """config.json (``conf`` updated with ``overrides``; a None value removes the key) + model.safetensors."""
+    conf = {k: v for k, v in {**conf, **overrides}.items() if v is not None}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(conf))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
-    return sd
 
 
 def write_speculators(path, kind="dspark", draft_vocab=VD, with_d2t=True, with_t2d=True, with_lm_head=True,
@@ -134,11 +138,7 @@ def write_speculators(path, kind="dspark", draft_vocab=VD, with_d2t=True, with_t
     if kind == "dspark":
         conf.update(sample_from_anchor=True, markov_rank=R, markov_head_type="vanilla", enable_confidence_head=True,
                     confidence_head_with_markov=True)
-    conf.update(overrides)
-    conf = {k: v for k, v in conf.items() if v is not None}
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(conf))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    write_checkpoint(path, conf, weights, overrides)
     return sd
 
 
@@ -149,10 +149,7 @@ def write_zlab(path, dflash_config=None, **overrides):
     conf = {**_decoder_json(), "architectures": ["DFlashDraftModel"], "block_size": BLOCK, "num_target_layers": 4,
             "dflash_config": dflash_config if dflash_config is not None else
             {"target_layer_ids": LAYER_IDS, "mask_token_id": MASK}}
-    conf.update(overrides)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(conf))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    write_checkpoint(path, conf, sd, overrides)
     return sd
 
 
