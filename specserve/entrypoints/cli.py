@@ -189,8 +189,9 @@ def _add_train_dspark_parser(tsub) -> None:
                     "--markov-rank 0: a DFlash baseline with the same recipe) on the frozen target. The target "
                     "answers the prompts itself, the outputs of its --target-layer-ids layers are computed once, "
                     "then the drafter learns to draft the next --block-size tokens after an anchor from them. "
-                    "Writes a DeepSpec-format checkpoint (config.json, model.safetensors) and README.md to --out "
-                    "and reports per-position acceptance estimates on held-out prompts.")
+                    "Writes a DeepSpec-format checkpoint (speculators format with --draft-vocab-size) "
+                    "(config.json, model.safetensors) and README.md to --out and reports per-position acceptance "
+                    "estimates on held-out prompts.")
     _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
                        "(target features are always computed in float32)")
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
