@@ -6,6 +6,7 @@
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
   generation engine's own when it already runs in float32).
+- ``adamw_cosine``: both trainers' optimiser (AdamW, linear warm-up then cosine decay).
 - ``start_run`` / ``TrainRun`` / ``keep_num_threads``: the opening both trainers share (threads, seed,
   cache, prompts, the target loaded for generation) and their thread-count restore.
 - ``select_draft_vocab``: a draft vocabulary (the most frequent response tokens) for drafters whose
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -149,3 +151,22 @@ def start_run(args) -> TrainRun:
     llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
               num_threads=args.threads)
     return TrainRun(t_start, Path(cache_dir), train_p, held_p, data_desc, llm, t_distill, timings)
+
+
+def _cosine(warmup_steps: int, total: int):
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        prog = (step - warmup_steps) / max(1, total - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
+
+    return f
+
+
+def adamw_cosine(module: torch.nn.Module, lr: float, weight_decay: float, warmup: float, total: int):
+    """AdamW over ``module``'s trainable parameters with a linear warm-up over the first ``warmup``
+    fraction of ``total`` steps (at least one), then cosine decay: (params, optimizer, scheduler, total)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
+    return params, opt, sched, total

@@ -68,9 +68,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.common import adamw_cosine, float32_runner, keep_num_threads, select_draft_vocab, start_run
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
-from specserve.train.medusa import _bar, _cosine, round_to_bf16_, target_lm_head
+from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
 IGNORE = -100
 STS_GRID = torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 121))  # includes 1.0 (the middle)
@@ -487,11 +487,8 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
     usable = [i for i, s in enumerate(samples) if anchor_range(s)[1] > anchor_range(s)[0]]
     if not usable:
         raise DataError("no training blocks: every response is shorter than 2 tokens")
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     steps_per_epoch = -(-len(usable) // batch_size)
-    total = steps_per_epoch * epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
+    params, opt, sched, total = adamw_cosine(drafter, lr, weight_decay, warmup, steps_per_epoch * epochs)
     sw = slot_weights(gamma, loss_decay)
     gen = torch.Generator().manual_seed(seed)
     epoch_loss, epoch_acc, step_loss, blocks = [], [], [], []

@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.common import adamw_cosine, float32_runner, keep_num_threads, select_draft_vocab, start_run
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 
 IGNORE = -100
@@ -235,16 +234,6 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
 
 
 # ---- training -----------------------------------------------------------------------------------------
-def _cosine(warmup_steps: int, total: int):
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        prog = (step - warmup_steps) / max(1, total - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
-
-    return f
-
-
 def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs: int = 2, lr: float = 1e-3,
                 batch_size: int = 256, warmup: float = 0.1, weight_decay: float = 0.0, head_decay: float = 0.8,
                 seed: int = 0, progress: bool = True, log=None) -> dict:
@@ -253,11 +242,8 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     K = heads.cfg.num_heads
     V = lm_w.shape[0]
     N = len(H)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     steps_per_epoch = -(-N // batch_size)
-    total = steps_per_epoch * epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
+    params, opt, sched, total = adamw_cosine(heads, lr, weight_decay, warmup, steps_per_epoch * epochs)
     w = torch.tensor([head_decay**k for k in range(K)])
     gen = torch.Generator().manual_seed(seed)
     epoch_loss, epoch_top1, step_loss = [], [], []
