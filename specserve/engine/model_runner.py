@@ -246,8 +246,11 @@ class TPRunner:
         return self._call("compact", *args)
 
     def attach(self, name, factory, *args, **kwargs) -> None:
-        """Build the helper on every rank (``factory`` must be importable by name: it is pickled)."""
-        self._call("attach", name, factory, *args, **kwargs)
+        """Build the helper on every rank (``factory`` must be importable by name: it is pickled). The
+        driver builds it first, so a failure (a bad checkpoint) is raised here before any worker tries."""
+        self.local.attach(name, factory, *args, **kwargs)
+        for c in self.conns:
+            c.send(("attach", (name, factory) + args, kwargs))
 
     def call_helper(self, name, method, *args, **kwargs):
         """Run ``method`` of helper ``name`` on every rank; the driver's result is returned."""

@@ -176,20 +176,18 @@ class DSparkProposer(Proposer):
         self.draft_costs: dict[int, float] | None = None
 
     def load_model(self, target) -> None:
-        from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-
         if not self.model_path.exists():
             raise FileNotFoundError(f"DSpark checkpoint not found: {self.model_path}")
-        cfg, _ = load_dspark_checkpoint(self.model_path, target.config)  # a bad checkpoint fails here, on the driver
+        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate)
+        self.worker: DSparkDraftWorker = target.helper(self.name)
+        cfg = self.worker.cfg
         k = self.requested_k or cfg.num_drafts
         if k > cfg.num_drafts:
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the drafter's {cfg.num_drafts} drafts per block")
         if self.verify_mode != "full" and not cfg.enable_confidence_head:
             raise ValueError(f"dspark_verify={self.verify_mode!r} needs a confidence head; this checkpoint has none "
                              "(use 'full')")
-        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate)
         self.target = target
-        self.worker: DSparkDraftWorker = target.helper(self.name)
         self.cfg = cfg
         self.aux_layers = tuple(cfg.target_layer_ids)
         self.num_speculative_tokens = k
