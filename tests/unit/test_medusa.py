@@ -97,9 +97,11 @@ def test_chain_proposal_is_head_argmax(tiny_llama, tiny_heads):
 
 
 @pytest.mark.parametrize("tree", [None, 8])
-def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree):
+@pytest.mark.parametrize("draft_vocab", [None, 10])
+def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab):
     cfg = json.loads((small_vocab_model / "config.json").read_text())
-    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0)
+    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0,
+                       draft_vocab=draft_vocab)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
                speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
