@@ -398,7 +398,7 @@ def cmd_train_dspark(args) -> int:
     print(f"time: {tm['total_s']:.0f} s (" + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in tm.items()
                                                     if k != "total_s") + ")")
     print(f"held-out on {res['meta']['heldout_prompts']} prompts ({ev['blocks'][0]} blocks): loss {init['loss']:.3f} "
-          f"at init -> {ev['loss']:.3f}; slot k drafts token a+k+1:")
+          f"at init -> {ev['loss']:.3f}; slot k drafts the token at a+k:")
     for k in range(len(ev["acceptance"])):
         print(f"  slot {k + 1}: acceptance estimate {ev['acceptance'][k]:.3f}  cumulative {ev['cumulative'][k]:.3f}  "
               f"greedy {ev['greedy_acceptance'][k]:.3f}  STS T {res['sts']['temperatures'][k]:.2f}")
