@@ -96,6 +96,40 @@ def test_chain_proposal_is_head_argmax(tiny_llama, tiny_heads):
     assert drafts == want and len(drafts) == 2
 
 
+def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_path):
+    """Each step's chain is the heads' argmax at the final hidden state of the last token kept so far
+    (after partial acceptances and rejections), as one full forward of the final sequence gives it,
+    and the steps walk the output (next start = accepted drafts + 1)."""
+    heads = make_heads(tmp_path / "h", 64, 16, num_heads=3)
+    llm = LLM(model=str(small_vocab_model), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
+    prop = llm.engine.proposer
+    steps = []
+    engine_propose = prop.propose
+
+    def record(inputs):
+        out = engine_propose(inputs)
+        steps.append((inputs.seqs[0].num_computed, out.chains[0]))
+        return out
+
+    prop.propose = record
+    prompt = [5, 1, 12, 9, 3]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True),
+                          use_tqdm=False)  # sampled target, greedy drafts: some accepted, some not
+    full = prompt + list(out.outputs[0].token_ids)
+    hidden = llm.engine.runner.forward(0, [full], [0], "all", return_hidden=True).hidden[0]
+    accepted = []
+    for start, chain in steps:
+        want = prop.heads.logits(hidden[start - 1][None], prop.lm_head)[0, : len(chain)].argmax(-1).tolist()
+        assert chain == want
+        n = 0
+        while n < len(chain) and start + 1 + n < len(full) and chain[n] == full[start + 1 + n]:
+            n += 1
+        accepted.append(n)
+    assert any(0 < n < len(c) for n, (_, c) in zip(accepted, steps))  # partial acceptances happened
+    assert [s for s, _ in steps[1:]] == [s + n + 1 for (s, _), n in zip(steps, accepted)][:-1]
+
+
 @pytest.mark.parametrize("tree", [None, 8])
 @pytest.mark.parametrize("draft_vocab", [None, 10])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab):
