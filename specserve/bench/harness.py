@@ -214,6 +214,7 @@ METHODS: dict[str, Callable[[], object]] = {
     # the heads shipped for the default model: chain (argmax of each head) and a tree sized at start-up
     "medusa": lambda: SpecserveMethod("medusa", {"method": "medusa"}),
     "medusa-tree": lambda: SpecserveMethod("medusa-tree", {"method": "medusa", "medusa_tree": "auto"}),
+    "medusa-auto": lambda: SpecserveMethod("medusa-auto", {"method": "medusa", "medusa_verify": "auto"}),
     # the block drafters shipped for the default model (block 7), every draft verified
     "dspark": lambda: SpecserveMethod("dspark", {"method": "dspark"}),
     "dflash": lambda: SpecserveMethod("dflash", {"method": "dflash"}),

@@ -28,6 +28,16 @@ def interp_cost(cost: dict[int, float], n: int) -> float:
     return cost[ks[-1]] * n / ks[-1]
 
 
+def profile_sizes(max_batch: int, num_drafts: int) -> tuple[list[int], list[int]]:
+    """The batch sizes and total token counts a verify-length cost model measures at start-up, for
+    batches of up to ``max_batch`` sequences drafting up to ``num_drafts`` tokens each."""
+    max_b = max(1, int(max_batch))
+    batch_sizes = sorted({b for b in (1, 2, 4, 8, 16, max_b) if b <= max_b})
+    g = num_drafts
+    sizes = sorted({n for b in batch_sizes for n in (b, b * (g + 1) // 2, b * (g + 1))} | {1, 2, 4})
+    return batch_sizes, sizes
+
+
 def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
     (median of ``reps``), measured on the running device in slot 0 before any request runs."""

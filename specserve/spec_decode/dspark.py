@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs
+from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs
 
 log = logging.getLogger("specserve.dspark")
@@ -199,10 +199,7 @@ class DSparkProposer(Proposer):
 
     def _profile(self, target) -> None:
         """The cost tables of the "auto" mode, measured on the running device."""
-        max_b = max(1, int(getattr(target, "max_num_seqs", 1)))
-        batch_sizes = sorted({b for b in (1, 2, 4, 8, 16, max_b) if b <= max_b})
-        g = self.num_speculative_tokens
-        sizes = sorted({n for b in batch_sizes for n in (b, b * (g + 1) // 2, b * (g + 1))} | {1, 2, 4})
+        batch_sizes, sizes = profile_sizes(getattr(target, "max_num_seqs", 1), self.num_speculative_tokens)
         self.verify_costs = measure_step_costs(target, sizes)
         self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes)
         log.info("DSpark auto: verify cost %s ms, draft cost %s ms",

@@ -7,7 +7,14 @@ model), ``num_speculative_tokens`` (chain length, <= the number of heads), ``med
 (chain), ``"auto"`` (tree size chosen from a step-cost curve measured on this device at start-up),
 an int (a tree of that many nodes) or a list of Medusa rank paths; ``medusa_topk`` (candidates per
 head, default 10); ``acceptance``: ``"exact"`` (default, lossless) or ``"typical"`` (lossy) with
-``posterior_threshold`` (epsilon, default 0.09) and ``posterior_alpha`` (delta, default 0.3).
+``posterior_threshold`` (epsilon, default 0.09) and ``posterior_alpha`` (delta, default 0.3);
+``medusa_verify`` (chains): ``"full"`` (default: every head's draft is verified) or ``"auto"``: each
+step, every request's chain is cut to the length that maximises expected tokens per second, from the
+survival products of its drafts' confidences and the target's verify cost per token count measured at
+start-up (``cost_model.choose_verify_lengths``, as DSpark's ``"auto"``). A draft's confidence is the
+probability its head gives the drafted token at the request's temperature (temperature 1 for greedy
+requests): what the one-hot rule accepts if the head matches the target. The cut reads the heads'
+outputs only, never the target's verdict, so it is lossless.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.sample.tree import TreeBuffers, tree_tokens_from_candidates
-from specserve.spec_decode.cost_model import interp_cost, measure_step_costs
+from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -29,6 +36,7 @@ log = logging.getLogger("specserve.medusa")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "medusa-smollm2-135m"
 TREE_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+VERIFY_MODES = ("full", "auto")
 
 
 def default_head_accuracy(num_heads: int, topk: int) -> list[list[float]]:
@@ -69,9 +77,11 @@ class MedusaProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int | None = None, model: str | None = None, medusa_tree=None,
                  medusa_topk: int = 10, acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
+                 posterior_alpha: float = 0.3, medusa_verify: str = "full"):
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
+        if medusa_verify not in VERIFY_MODES:
+            raise ValueError(f"medusa_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {medusa_verify!r}")
         if not 1 <= medusa_topk <= 64:
             raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
         self.requested_k = num_speculative_tokens
@@ -79,6 +89,8 @@ class MedusaProposer(Proposer):
         self.tree_spec = medusa_tree
         self.topk = medusa_topk
         self.acceptance = acceptance
+        self.verify_mode = medusa_verify
+        self.verify_costs: dict[int, float] | None = None
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.tree: TreeBuffers | None = None
@@ -130,6 +142,14 @@ class MedusaProposer(Proposer):
         self.num_speculative_tokens = k
         self.accuracy = self._head_accuracy()
         self.tree = self._build_tree(target)
+        if self.verify_mode == "auto":
+            if self.tree is not None:
+                raise ValueError("medusa_verify='auto' cuts chains; a tree is sized by medusa_tree='auto' "
+                                 "(use medusa_tree=None with it)")
+            _, sizes = profile_sizes(getattr(target, "max_num_seqs", 1), self.num_speculative_tokens)
+            self.verify_costs = measure_step_costs(target, sizes)
+            log.info("Medusa auto verify: target cost %s ms",
+                     {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
 
     def _head_accuracy(self) -> list[list[float]]:
         """P(rank r of head h is right) from the checkpoint's recorded top-k accuracies, else a prior."""
@@ -187,6 +207,13 @@ class MedusaProposer(Proposer):
         log.info("Medusa auto: %s (step costs %s)", self.auto_choice, {k: round(v * 1e3, 1) for k, v in cost.items()})
         return best[1]
 
+    @staticmethod
+    def _confidences(logits: torch.Tensor, seqs) -> torch.Tensor:
+        """[B, k, V'] head logits -> [B, k]: the probability each head gives its argmax at the request's
+        temperature (1 for greedy requests)."""
+        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs])
+        return torch.softmax(logits.float() / t.view(-1, 1, 1), dim=-1).amax(-1)
+
     def _typical(self, tokens, logits, tree, params, generator):
         return verify_typical(tokens, logits, tree, params.temperature, generator, self.posterior_threshold,
                               self.posterior_alpha)
@@ -210,8 +237,14 @@ class MedusaProposer(Proposer):
         hidden = torch.stack([self._hidden[s.seq_id] for s in seqs])
         logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V'] (V': the draft vocabulary)
         if self.tree is None:
-            drafts = self.heads.to_target(logits[:, : self.num_speculative_tokens].argmax(-1)).tolist()
-            return Proposal([d[:m] for d, m in zip(drafts, inputs.max_drafts)])
+            chain = logits[:, : self.num_speculative_tokens]
+            drafts = self.heads.to_target(chain.argmax(-1)).tolist()
+            limits = list(inputs.max_drafts)
+            if self.verify_mode == "auto":
+                surv = torch.cumprod(self._confidences(chain, seqs), dim=1).tolist()
+                limits = choose_verify_lengths([row[: max(0, m)] for row, m in zip(surv, limits)],
+                                               lambda n: interp_cost(self.verify_costs, n))
+            return Proposal([d[:m] for d, m in zip(drafts, limits)])
         K = self.tree.max_depth
         top = self.heads.to_target(logits[:, :K].topk(self.topk, dim=-1).indices)  # [B, K, topk] target ids
         trees, chains = [], []

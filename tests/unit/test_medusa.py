@@ -130,20 +130,53 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
     assert [s for s, _ in steps[1:]] == [s + n + 1 for (s, _), n in zip(steps, accepted)][:-1]
 
 
-@pytest.mark.parametrize("tree", [None, 8])
-@pytest.mark.parametrize("draft_vocab", [None, 10])
-def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab):
+@pytest.mark.parametrize("tree, draft_vocab, verify", [
+    (None, None, "full"), (8, None, "full"), (None, 10, "full"), (8, 10, "full"), (None, None, "auto")])
+def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify):
     cfg = json.loads((small_vocab_model / "config.json").read_text())
     heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0,
                        draft_vocab=draft_vocab)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
                speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
-                                   "medusa_tree": tree, "medusa_topk": 3})
+                                   "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify})
+    if verify == "auto":  # a cost per verified token: chains are cut by their confidences, row by row
+        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.15}
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
-    assert spec.get_metrics()["num_accepted_tokens"] > 100  # drafts were really accepted
+    m = spec.get_metrics()
+    assert m["num_accepted_tokens"] > 100  # drafts were really accepted
+    if verify == "auto":
+        assert 0 < m["num_draft_tokens"] < 3 * m["num_verify_steps"]
     assert_same_distribution(a, b)
+
+
+def test_auto_verify_cuts_chains_by_cost(tiny_llama, tiny_heads):
+    """``medusa_verify="auto"``: costs measured at start-up; a free verification keeps whole chains, a
+    steep one drafts nothing, in between the lengths differ by request; greedy output never changes."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
+    cfg = {"method": "medusa", "model": str(tiny_heads["own"])}
+    full = LLM(model=str(tiny_llama), dtype="float32", speculative_config=cfg)
+    full.generate(PROMPTS, params, use_tqdm=False)
+    full_drafts = full.get_metrics()["num_draft_tokens"]
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={**cfg, "medusa_verify": "auto"})
+    prop = llm.engine.proposer
+    assert {1, 4} <= set(prop.verify_costs) and min(prop.verify_costs.values()) > 0
+    for costs, check in (({1: 1.0, 1000: 1.0}, lambda m: m["num_draft_tokens"] == full_drafts),
+                         ({1: 1.0, 1000: 1000.0}, lambda m: m["num_draft_tokens"] == 0),
+                         ({1: 1.0, 1000: 1.0 + 999 * 0.4}, lambda m: 0 < m["num_draft_tokens"] < full_drafts)):
+        prop.verify_costs = costs
+        llm.reset_metrics()
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == plain
+        assert check(llm.get_metrics()), (costs, llm.get_metrics())
+    with pytest.raises(ValueError, match="medusa_verify='auto' cuts chains"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["own"]),
+                                                       "medusa_verify": "auto", "medusa_tree": 4})
+    with pytest.raises(ValueError, match="medusa_verify must be one of"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "medusa_verify": "sometimes"})
 
 
 def test_typical_acceptance_is_opt_in_and_runs(tiny_llama, tiny_heads, caplog):
