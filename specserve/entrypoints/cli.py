@@ -309,7 +309,8 @@ def cmd_demo(args) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
-            ("Medusa (shipped heads, tree sized for this device, lossless)", {"method": "medusa", "medusa_tree": "auto"}),
+            ("Medusa (shipped heads, chain length from the cost model, lossless)",
+             {"method": "medusa", "medusa_verify": "auto"}),
             ("DSpark (shipped drafter, verify length from the cost model, lossless)",
              {"method": "dspark", "dspark_verify": "auto"})]
     results = []
@@ -341,7 +342,7 @@ def cmd_demo(args) -> int:
         print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
               f"mean acceptance length {tau:.2f}, text {same}")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,hf,ngram,medusa,medusa-tree,dspark,dspark-auto,dflash")
+          "specserve bench --methods none,hf,ngram,medusa,medusa-auto,medusa-tree,dspark,dspark-auto,dflash")
     return 0
 
 
