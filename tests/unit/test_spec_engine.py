@@ -102,6 +102,26 @@ class OracleTreeProposer(Proposer):
         return Proposal([[] for _ in inputs.seqs], trees=trees)
 
 
+def sampled_walk(llm, prompt, steps, max_tokens=60):
+    """Generate ``prompt`` at temperature 1 (a sampled target: with greedy drafts some steps accept
+    part of their drafts, some none) while ``steps`` collects ``(start, drafts)`` of every drafting
+    step (start: the anchor's position). Returns prompt + output ids, after checking that partial
+    acceptances happened and that each step starts right after the previous one's accepted drafts and
+    its bonus token."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    full = prompt + list(out.outputs[0].token_ids)
+    accepted = []
+    for start, drafts in steps:
+        n = 0
+        while n < len(drafts) and start + 1 + n < len(full) and drafts[n] == full[start + 1 + n]:
+            n += 1
+        accepted.append(n)
+    assert any(0 < n < len(d) for n, (_, d) in zip(accepted, steps))  # partial acceptances happened
+    assert [s for s, _ in steps[1:]] == [s + n + 1 for (s, _), n in zip(steps, accepted)][:-1]
+    return full
+
+
 @pytest.fixture
 def oracle_tree_registered():
     PROPOSERS["oracle-tree"] = OracleTreeProposer
