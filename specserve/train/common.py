@@ -165,8 +165,8 @@ def _cosine(warmup_steps: int, total: int):
 
 def adamw_cosine(module: torch.nn.Module, lr: float, weight_decay: float, warmup: float, total: int):
     """AdamW over ``module``'s trainable parameters with a linear warm-up over the first ``warmup``
-    fraction of ``total`` steps (at least one), then cosine decay: (params, optimizer, scheduler, total)."""
+    fraction of ``total`` steps (at least one), then cosine decay: (params, optimizer, scheduler)."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
-    return params, opt, sched, total
+    return params, opt, sched

@@ -488,7 +488,8 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
     if not usable:
         raise DataError("no training blocks: every response is shorter than 2 tokens")
     steps_per_epoch = -(-len(usable) // batch_size)
-    params, opt, sched, total = adamw_cosine(drafter, lr, weight_decay, warmup, steps_per_epoch * epochs)
+    total = steps_per_epoch * epochs
+    params, opt, sched = adamw_cosine(drafter, lr, weight_decay, warmup, total)
     sw = slot_weights(gamma, loss_decay)
     gen = torch.Generator().manual_seed(seed)
     epoch_loss, epoch_acc, step_loss, blocks = [], [], [], []

@@ -243,7 +243,8 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     V = lm_w.shape[0]
     N = len(H)
     steps_per_epoch = -(-N // batch_size)
-    params, opt, sched, total = adamw_cosine(heads, lr, weight_decay, warmup, steps_per_epoch * epochs)
+    total = steps_per_epoch * epochs
+    params, opt, sched = adamw_cosine(heads, lr, weight_decay, warmup, total)
     w = torch.tensor([head_decay**k for k in range(K)])
     gen = torch.Generator().manual_seed(seed)
     epoch_loss, epoch_top1, step_loss = [], [], []
