@@ -31,6 +31,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -234,13 +235,28 @@ def register_method(name: str, factory: Callable[[], object]) -> None:
     METHODS[name] = factory
 
 
+SIZED_TREE = re.compile(r"medusa-tree-([1-9][0-9]*)")  # e.g. medusa-tree-64: a tree of 64 nodes, fixed
+
+
+def method_factory(name: str) -> Callable[[], object] | None:
+    """The runner factory of a method name: one of ``METHODS``, or ``medusa-tree-N`` (the shipped heads
+    with the best tree of N nodes, whatever verifying N tokens costs here)."""
+    if name in METHODS:
+        return METHODS[name]
+    m = SIZED_TREE.fullmatch(name)
+    if m:
+        return lambda: SpecserveMethod(name, {"method": "medusa", "medusa_tree": int(m.group(1))})
+    return None
+
+
 def parse_methods(spec: str | list[str]) -> list[str]:
     names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
     if not names:
         raise BenchError("no methods given")
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if method_factory(m) is None]
     if unknown:
-        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}")
+        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
+                         "medusa-tree-N (a tree of N nodes)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")
@@ -284,7 +300,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
 
     log = log or (lambda s: None)
     names = parse_methods(methods)
-    runners = {n: METHODS[n]() for n in names}
+    runners = {n: method_factory(n)() for n in names}
     for r in runners.values():
         if hasattr(r, "check"):
             r.check()

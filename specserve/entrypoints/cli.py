@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "outputs are identical to plain decoding.")
     _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each")
     b.add_argument("--methods", default="none,hf",
-                   help="comma list of methods (default none,hf); 'none' (the baseline) always runs")
+                   help="comma list of methods (default none,hf); 'none' (the baseline) always runs; "
+                        "medusa-tree-N: the shipped Medusa heads with a fixed tree of N nodes")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
                         "'chitchat-heldout' (the held-out split of the drafters' training prompts; default: the "

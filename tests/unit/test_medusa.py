@@ -253,3 +253,15 @@ def test_draft_vocabulary_proposals_are_mapped_target_ids(tiny_llama, tiny_heads
         logits = prop.heads.logits(h[None])[0]
     assert logits.shape[-1] == 60
     assert drafts == tmap[logits[:3].argmax(-1)].tolist() and set(drafts) <= set(tmap.tolist())
+
+
+def test_bench_sized_tree_rows():
+    from specserve.bench.harness import BenchError, method_factory, parse_methods
+
+    assert parse_methods("medusa-tree-64,none") == ["none", "medusa-tree-64"]
+    row = method_factory("medusa-tree-64")()
+    assert row.name == "medusa-tree-64"
+    assert row.speculative_config == {"method": "medusa", "medusa_tree": 64}
+    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064"):
+        with pytest.raises(BenchError, match="medusa-tree-N"):
+            parse_methods(bad)
