@@ -1,7 +1,8 @@
 """Benchmark harness: the same prompts (the same token ids), one request at a time, through a list of
 *methods*, one row per (method, dtype).
 
-A method is a small runner object with ``name``, ``run(ctx) -> MethodResult`` and optionally
+A method is a small runner object with ``name``, ``start(ctx) -> Session`` (the method loaded and
+warmed up, generating one prompt at a time), ``run(ctx) -> MethodResult`` (all prompts) and optionally
 ``check()`` (raise ``BenchError`` before anything runs when it cannot run). Rows today:
 
 - ``none``: specserve, plain decoding (the baseline every other row is compared with);
@@ -11,7 +12,10 @@ Speculative methods are added the same way, as ``SpecserveMethod(name, speculati
 ``METHODS`` (or through ``register_method``); their acceptance metrics come from ``LLM.get_metrics()``.
 
 Timing: every prompt is one request (batch size 1) timed from submission to its last token, prefill
-included, after one short warm-up generation per method. With ``tensor_parallel_size`` > 1 every
+included, after one short warm-up generation per method. All methods are loaded first and the prompts
+go through them interleaved (prompt 1 through every method, then prompt 2, ..., the order rotating),
+so slow drifts of the machine's speed weigh on every row alike (``--no-interleave``: one method after
+the other; tensor-parallel runs always go one method after the other). With ``tensor_parallel_size`` > 1 every
 specserve row runs over that many processes (gloo, ``threads // size`` threads each) and reports the
 collectives it ran: per generated token (rank 0, timed requests only) and, for block drafters, per
 drafting step (``collectives_per_draft_step``, the ranks' counts of one step). ``tokens_per_s`` = all generated tokens /
@@ -95,6 +99,42 @@ class MethodResult:
 
 
 # ---- methods --------------------------------------------------------------------------------------
+class Session:
+    """One method, loaded and warmed up, generating the bench's prompts one request at a time:
+    ``generate(i)`` times prompt i, ``result()`` collects the row, ``close()`` frees it."""
+
+    def __init__(self, ctx: BenchContext):
+        self.ctx = ctx
+        self.outputs: dict[int, list[int]] = {}
+        self.wall = 0.0
+
+    def generate(self, i: int) -> None:
+        t0 = time.perf_counter()
+        out = self._generate(self.ctx.prompt_ids[i], self.ctx.max_tokens, i)
+        self.wall += time.perf_counter() - t0
+        self.outputs[i] = out
+
+    def _outputs(self) -> list[list[int]]:
+        return [self.outputs[i] for i in sorted(self.outputs)]
+
+    def result(self) -> MethodResult:
+        return MethodResult(self._outputs(), self.wall)
+
+    def close(self) -> None:
+        gc.collect()
+
+
+def run_alone(method, ctx: BenchContext) -> MethodResult:
+    """All prompts through one method, start to finish."""
+    session = method.start(ctx)
+    try:
+        for i in range(len(ctx.prompt_ids)):
+            session.generate(i)
+        return session.result()
+    finally:
+        session.close()
+
+
 class SpecserveMethod:
     """specserve's ``LLM``; ``speculative_config=None`` is plain decoding."""
 
@@ -102,43 +142,54 @@ class SpecserveMethod:
         self.name = name
         self.speculative_config = speculative_config
 
+    def start(self, ctx: BenchContext) -> "SpecserveSession":
+        return SpecserveSession(ctx, self.speculative_config)
+
     def run(self, ctx: BenchContext) -> MethodResult:
-        from specserve import LLM, SamplingParams
+        return run_alone(self, ctx)
 
-        kwargs = {"speculative_config": self.speculative_config} if self.speculative_config else {}
-        tp = ctx.tensor_parallel_size
-        llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
-                  max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
-        runner = llm.engine.runner
+
+class SpecserveSession(Session):
+    def __init__(self, ctx: BenchContext, speculative_config: dict | None):
+        from specserve import LLM
+
+        super().__init__(ctx)
+        kwargs = {"speculative_config": speculative_config} if speculative_config else {}
+        self.tp = tp = ctx.tensor_parallel_size
+        self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
+                       max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
+        self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
+        self.llm.reset_metrics()
+        self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
+
+    def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
+        from specserve import SamplingParams
+
+        params = SamplingParams(temperature=self.ctx.temperature, max_tokens=n, seed=self.ctx.seed + i, top_p=1.0,
+                                top_k=-1, min_p=0.0)
+        torch.set_num_threads(max(1, self.ctx.threads // self.tp))
+        (out,) = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+
+    def result(self) -> MethodResult:
+        llm, runner, outputs = self.llm, self.llm.engine.runner, self._outputs()
+        m = llm.get_metrics()
         extra = {}
-        try:
-            def params(n, i=0):
-                return SamplingParams(temperature=ctx.temperature, max_tokens=n, seed=ctx.seed + i, top_p=1.0,
-                                      top_k=-1, min_p=0.0)
-
-            llm.generate([{"prompt_token_ids": ctx.prompt_ids[0]}], params(WARMUP_TOKENS), use_tqdm=False)
-            llm.reset_metrics()
-            before = _rank0_collectives(runner) if tp > 1 else 0
-            outputs, wall = [], 0.0
-            for i, ids in enumerate(ctx.prompt_ids):
-                t0 = time.perf_counter()
-                (out,) = llm.generate([{"prompt_token_ids": ids}], params(ctx.max_tokens, i), use_tqdm=False)
-                wall += time.perf_counter() - t0
-                outputs.append(list(out.outputs[0].token_ids))
-            m = llm.get_metrics()
-            if tp > 1:
-                n_tok = max(1, sum(len(o) for o in outputs))
-                extra["collectives_per_token"] = round((_rank0_collectives(runner) - before) / n_tok, 3)
-                name = getattr(llm.engine.proposer, "name", "")
-                if name in getattr(runner.local, "helpers", {}):
-                    per_rank = runner.helper_report(name, "draft_step_collectives", 1)
-                    extra["collectives_per_draft_step"] = per_rank[0]
-        finally:
-            llm.shutdown()
-            del llm
-            gc.collect()
+        if self.tp > 1:
+            n_tok = max(1, sum(len(o) for o in outputs))
+            extra["collectives_per_token"] = round((_rank0_collectives(runner) - self.collectives_before) / n_tok, 3)
+            name = getattr(llm.engine.proposer, "name", "")
+            if name in getattr(runner.local, "helpers", {}):
+                per_rank = runner.helper_report(name, "draft_step_collectives", 1)
+                extra["collectives_per_draft_step"] = per_rank[0]
         extra.update({k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
-        return MethodResult(outputs, wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"], extra=extra)
+        return MethodResult(outputs, self.wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
+                            extra=extra)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        del self.llm
+        super().close()
 
 
 def _rank0_collectives(runner) -> int:
@@ -156,7 +207,15 @@ class HFMethod:
         if importlib.util.find_spec("transformers") is None:
             raise BenchError("method 'hf' needs HF transformers: pip install specserve[bench]")
 
+    def start(self, ctx: BenchContext) -> "HFSession":
+        return HFSession(ctx)
+
     def run(self, ctx: BenchContext) -> MethodResult:
+        return run_alone(self, ctx)
+
+
+class HFSession(Session):
+    def __init__(self, ctx: BenchContext):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import transformers
@@ -168,33 +227,28 @@ class HFMethod:
 
         if ctx.tensor_parallel_size > 1:
             raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
+        super().__init__(ctx)
         torch.set_num_threads(ctx.threads)
-        model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype]).eval()
-        pad = ctx.eos_ids[0] if ctx.eos_ids else 0
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype]).eval()
+        self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
 
-        def gen(ids, n, i=0):
-            x = torch.tensor([ids])
-            kw = dict(do_sample=False) if ctx.temperature < 1e-5 else dict(
-                do_sample=True, temperature=ctx.temperature, top_k=0, top_p=1.0)
-            if kw["do_sample"]:
-                torch.manual_seed(ctx.seed + i)
-            with torch.inference_mode():
-                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
-                                   eos_token_id=ctx.eos_ids or None, pad_token_id=pad, **kw)
-            return y[0, len(ids):].tolist()
+    def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
+        ctx = self.ctx
+        torch.set_num_threads(ctx.threads)
+        x = torch.tensor([ids])
+        kw = dict(do_sample=False) if ctx.temperature < 1e-5 else dict(
+            do_sample=True, temperature=ctx.temperature, top_k=0, top_p=1.0)
+        if kw["do_sample"]:
+            torch.manual_seed(ctx.seed + i)
+        with torch.inference_mode():
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
+                                    eos_token_id=ctx.eos_ids or None, pad_token_id=ctx.eos_ids[0] if ctx.eos_ids else 0,
+                                    **kw)
+        return _strip_after_eos(y[0, len(ids):].tolist(), ctx.eos_ids)
 
-        try:
-            gen(ctx.prompt_ids[0], WARMUP_TOKENS)
-            outputs, wall = [], 0.0
-            for i, ids in enumerate(ctx.prompt_ids):
-                t0 = time.perf_counter()
-                out = gen(ids, ctx.max_tokens, i)
-                wall += time.perf_counter() - t0
-                outputs.append(_strip_after_eos(out, ctx.eos_ids))
-        finally:
-            del model
-            gc.collect()
-        return MethodResult(outputs, wall)
+    def close(self) -> None:
+        del self.model
+        super().close()
 
 
 def _strip_after_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
@@ -212,10 +266,13 @@ METHODS: dict[str, Callable[[], object]] = {
     "hf": HFMethod,
     "ngram": lambda: SpecserveMethod("ngram", {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
-    # the heads shipped for the default model: chain (argmax of each head) and a tree sized at start-up
+    # the heads shipped for the default model: chain (argmax of each head), a tree sized at start-up,
+    # chains cut per step, a tree chosen per step (all by the cost model)
     "medusa": lambda: SpecserveMethod("medusa", {"method": "medusa"}),
     "medusa-tree": lambda: SpecserveMethod("medusa-tree", {"method": "medusa", "medusa_tree": "auto"}),
     "medusa-auto": lambda: SpecserveMethod("medusa-auto", {"method": "medusa", "medusa_verify": "auto"}),
+    "medusa-tree-dynamic": lambda: SpecserveMethod("medusa-tree-dynamic", {"method": "medusa", "medusa_tree": "auto",
+                                                                           "medusa_verify": "auto"}),
     # the block drafters shipped for the default model (block 7), every draft verified
     "dspark": lambda: SpecserveMethod("dspark", {"method": "dspark"}),
     "dflash": lambda: SpecserveMethod("dflash", {"method": "dflash"}),
@@ -293,8 +350,10 @@ def compare(base: list[list[int]], other: list[list[int]]) -> tuple[bool, int, i
 def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", prompts_file: str | None = None,
               num_prompts: int | None = None, max_tokens: int = 128, temperature: float = 0.0,
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
-              log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1) -> list[dict]:
-    """Run every method at every dtype; returns one row (a dict) per (dtype, method)."""
+              log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
+              interleave: bool = True) -> list[dict]:
+    """Run every method at every dtype; returns one row (a dict) per (dtype, method). ``interleave``
+    (one process only): see ``_run_methods``."""
     from specserve.models.loader import resolve_model_dir
     from specserve.tokenizer import Tokenizer
 
@@ -343,9 +402,9 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                            tensor_parallel_size)
         base: MethodResult | None = None
         base_tps = None
+        results = _run_methods(runners, names, ctx, interleave and tensor_parallel_size == 1, log)
         for name in names:
-            log(f"running {name} ({dtype}, {len(prompt_ids)} prompts x {max_tokens} tokens, {threads} threads)...")
-            res = runners[name].run(ctx)
+            res = results[name]
             tps = res.generated_tokens / res.wall_s if res.wall_s > 0 else 0.0
             if name == "none":
                 base, base_tps = res, tps
@@ -367,10 +426,40 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                 "acceptance_rate_per_position": res.acceptance_rate_per_position,
                 "threads": threads,
                 "tensor_parallel_size": tensor_parallel_size,
+                "interleaved": interleave and tensor_parallel_size == 1,
                 "model_dir": str(model_dir),
                 **res.extra,
             })
     return rows
+
+
+def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave: bool, log) -> dict[str, MethodResult]:
+    """Every method's result. Interleaved: all methods loaded at once, then prompt by prompt through
+    each of them (the order rotating from prompt to prompt), so that a machine getting faster or
+    slower during the run (thermal or frequency changes, noisy neighbours) weighs on every row alike.
+    Else one method after the other (tensor parallelism: one set of worker processes at a time)."""
+    n = len(ctx.prompt_ids)
+    what = f"({ctx.dtype}, {n} prompts x {ctx.max_tokens} tokens, {ctx.threads} threads)"
+    if not interleave:
+        out = {}
+        for name in names:
+            log(f"running {name} {what}...")
+            out[name] = runners[name].run(ctx)
+        return out
+    sessions: dict[str, Session] = {}
+    try:
+        for name in names:
+            log(f"loading {name}...")
+            sessions[name] = runners[name].start(ctx)
+        log(f"running {', '.join(names)} interleaved, prompt by prompt {what}...")
+        for i in range(n):
+            r = i % len(names)
+            for name in names[r:] + names[:r]:
+                sessions[name].generate(i)
+        return {name: s.result() for name, s in sessions.items()}
+    finally:
+        for s in sessions.values():
+            s.close()
 
 
 def format_table(rows: list[dict]) -> str:

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="run every specserve row over N processes (gloo); rows then report collectives per "
                         "token and per drafting step (default 1)")
+    b.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="run the methods one after the other instead of loading them all and interleaving "
+                        "them prompt by prompt (default: interleaved, so drifts of the machine's speed hit "
+                        "every row alike)")
     b.add_argument("--json", default=None, metavar="OUT", help="write the rows as a JSON list to OUT")
     b.set_defaults(func=cmd_bench)
 
@@ -291,11 +295,13 @@ def cmd_bench(args) -> int:
     rows = run_bench(model=args.model, methods=args.methods, prompts_file=args.prompts, num_prompts=args.num_prompts,
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave)
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
     print(f"{r0['num_prompts']} prompts, max {r0['max_tokens']} tokens, temperature {r0['temperature']}, "
-          f"{r0['threads']} threads{tp}, batch size 1; tok/s = generated tokens / request wall time (prefill included)")
+          f"{r0['threads']} threads{tp}, batch size 1, "
+          f"{'methods interleaved prompt by prompt' if r0['interleaved'] else 'one method after the other'}; "
+          "tok/s = generated tokens / request wall time (prefill included)")
     print(format_table(rows), flush=True)
     if args.json:
         write_json(rows, args.json)

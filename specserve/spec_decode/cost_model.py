@@ -28,14 +28,21 @@ def interp_cost(cost: dict[int, float], n: int) -> float:
     return cost[ks[-1]] * n / ks[-1]
 
 
+MAX_PROFILED_TOKENS = 160  # larger verifications are extrapolated (linear: compute-bound by then)
+
+
 def profile_sizes(max_batch: int, num_drafts: int) -> tuple[list[int], list[int]]:
     """The batch sizes and total token counts a verify-length cost model measures at start-up, for
-    batches of up to ``max_batch`` sequences drafting up to ``num_drafts`` tokens each."""
+    batches of up to ``max_batch`` sequences drafting up to ``num_drafts`` tokens each (token counts
+    above ``MAX_PROFILED_TOKENS`` are not measured: ``interp_cost`` extrapolates them)."""
     max_b = max(1, int(max_batch))
     batch_sizes = sorted({b for b in (1, 2, 4, 8, 16, max_b) if b <= max_b})
     g = num_drafts
-    sizes = sorted({n for b in batch_sizes for n in (b, b * (g + 1) // 2, b * (g + 1))} | {1, 2, 4})
-    return batch_sizes, sizes
+    sizes = {n for b in batch_sizes for n in (b, b * (g + 1) // 2, b * (g + 1))} | {1, 2, 4}
+    capped = {n for n in sizes if n <= MAX_PROFILED_TOKENS}
+    if capped != sizes:
+        capped.add(MAX_PROFILED_TOKENS)
+    return batch_sizes, sorted(capped)
 
 
 def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:

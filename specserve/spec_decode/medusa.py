@@ -8,13 +8,21 @@ model), ``num_speculative_tokens`` (chain length, <= the number of heads), ``med
 an int (a tree of that many nodes) or a list of Medusa rank paths; ``medusa_topk`` (candidates per
 head, default 10); ``acceptance``: ``"exact"`` (default, lossless) or ``"typical"`` (lossy) with
 ``posterior_threshold`` (epsilon, default 0.09) and ``posterior_alpha`` (delta, default 0.3);
-``medusa_verify`` (chains): ``"full"`` (default: every head's draft is verified) or ``"auto"``: each
-step, every request's chain is cut to the length that maximises expected tokens per second, from the
-survival products of its drafts' confidences and the target's verify cost per token count measured at
-start-up (``cost_model.choose_verify_lengths``, as DSpark's ``"auto"``). A draft's confidence is the
-probability its head gives the drafted token at the request's temperature (temperature 1 for greedy
-requests): what the one-hot rule accepts if the head matches the target. The cut reads the heads'
-outputs only, never the target's verdict, so it is lossless.
+``medusa_verify``: ``"full"`` (default: every head's draft, every node of the tree is verified) or
+``"auto"``: each step, every request verifies the part of its drafts that maximises expected tokens
+per second, from the target's verify cost per token count measured at start-up
+(``cost_model.choose_verify_lengths``, as DSpark's ``"auto"``) and the heads' probabilities at the
+request's temperature (temperature 1 for greedy requests):
+
+- chains are cut to a length, by the survival products of the drafts' confidences (the probability
+  each head gives its drafted token);
+- trees (``medusa_tree`` set; ``"auto"`` gives a candidate tree of ``max(TREE_SIZES)`` nodes) become
+  dynamic: every candidate path is scored by the product of the probabilities its heads give its
+  tokens this step, and each request verifies its highest-scoring paths (a subtree: a path never
+  scores above its parent), as many as the cost model finds worth it.
+
+Either way the choice reads the heads' outputs only, never the target's verdict, and the drafts are
+verified exactly as a fixed chain or tree would be: lossless.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -37,6 +46,7 @@ log = logging.getLogger("specserve.medusa")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "medusa-smollm2-135m"
 TREE_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 VERIFY_MODES = ("full", "auto")
+SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
 
 
 def default_head_accuracy(num_heads: int, topk: int) -> list[list[float]]:
@@ -94,6 +104,8 @@ class MedusaProposer(Proposer):
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.tree: TreeBuffers | None = None
+        self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
+        self._subtrees: OrderedDict[tuple[int, ...], TreeBuffers] = OrderedDict()
         self._hidden: dict[int, torch.Tensor] = {}
         if acceptance == "typical":
             self.lossy_verify = self._typical
@@ -143,10 +155,14 @@ class MedusaProposer(Proposer):
         self.accuracy = self._head_accuracy()
         self.tree = self._build_tree(target)
         if self.verify_mode == "auto":
-            if self.tree is not None:
-                raise ValueError("medusa_verify='auto' cuts chains; a tree is sized by medusa_tree='auto' "
-                                 "(use medusa_tree=None with it)")
-            _, sizes = profile_sizes(getattr(target, "max_num_seqs", 1), self.num_speculative_tokens)
+            max_seqs = getattr(target, "max_num_seqs", 1)
+            if self.tree is None:
+                _, sizes = profile_sizes(max_seqs, self.num_speculative_tokens)
+            else:
+                self._candidates = self._candidate_index(self.tree)
+                n = self.tree.num_nodes - 1
+                _, sizes = profile_sizes(max_seqs, n)
+                sizes = sorted(set(sizes) | {m + 1 for m in TREE_SIZES if m < n})
             self.verify_costs = measure_step_costs(target, sizes)
             log.info("Medusa auto verify: target cost %s ms",
                      {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
@@ -177,6 +193,8 @@ class MedusaProposer(Proposer):
             depth = max(len(p) for p in paths)
             if depth > self.cfg.num_heads:
                 raise ValueError(f"medusa_tree has depth {depth} but the checkpoint has {self.cfg.num_heads} heads")
+        elif spec == "auto" and self.verify_mode == "auto":  # dynamic: the candidates of every step
+            paths = greedy_tree(acc, TREE_SIZES[-1])
         elif spec == "auto":
             paths = self._auto_tree(target, acc)
         elif isinstance(spec, int) and spec >= 1:
@@ -208,11 +226,66 @@ class MedusaProposer(Proposer):
         return best[1]
 
     @staticmethod
-    def _confidences(logits: torch.Tensor, seqs) -> torch.Tensor:
-        """[B, k, V'] head logits -> [B, k]: the probability each head gives its argmax at the request's
-        temperature (1 for greedy requests)."""
+    def _candidate_index(tree: TreeBuffers) -> dict:
+        """The dynamic mode's candidate paths (``tree``'s rank paths, sorted by depth) as tensors:
+        ``ranks`` [P, D] (each path's rank at each depth, 0 past its end), ``valid`` [P, D], ``depth`` [P]."""
+        paths = tree.rank_paths
+        D = max(len(p) for p in paths)
+        ranks = torch.zeros(len(paths), D, dtype=torch.long)
+        valid = torch.zeros(len(paths), D, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            ranks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            valid[i, : len(p)] = True
+        return {"paths": paths, "ranks": ranks, "valid": valid, "depth": valid.sum(1)}
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, seqs) -> torch.Tensor:
+        """[B, k, V'] head logits -> the heads' probabilities at each request's temperature (1 for
+        greedy requests)."""
         t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs])
-        return torch.softmax(logits.float() / t.view(-1, 1, 1), dim=-1).amax(-1)
+        return torch.softmax(logits.float() / t.view(-1, 1, 1), dim=-1)
+
+    def path_scores(self, top_probs: torch.Tensor, max_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
+        (scores [B, P], order [B, P]): each request's candidate paths by decreasing score, the product
+        of the probabilities its heads give the path's tokens; paths deeper than the request's
+        ``max_drafts`` score -1. Equal scores keep depth order, so every prefix of the first n
+        paths is among them (a path never scores above its parent): each is a subtree."""
+        c = self._candidates
+        B, D = top_probs.shape[0], c["ranks"].shape[1]
+        per_depth = top_probs[:, :D].gather(2, c["ranks"].t().unsqueeze(0).expand(B, D, -1))  # [B, D, P]
+        score = torch.where(c["valid"].t().unsqueeze(0), per_depth, torch.ones_like(per_depth)).prod(1)
+        too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts).view(-1, 1)
+        score = torch.where(too_deep, torch.full_like(score, -1.0), score)
+        return score.sort(dim=1, descending=True, stable=True)
+
+    def _subtree(self, idx: tuple[int, ...]) -> TreeBuffers:
+        """The tree of the candidate paths ``idx`` (sorted), cached (most recently used kept)."""
+        buf = self._subtrees.get(idx)
+        if buf is None:
+            buf = TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
+            self._subtrees[idx] = buf
+            if len(self._subtrees) > SUBTREE_CACHE:
+                self._subtrees.popitem(last=False)
+        else:
+            self._subtrees.move_to_end(idx)
+        return buf
+
+    def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int]) -> Proposal:
+        D = self._candidates["ranks"].shape[1]
+        top_p, top_i = self._probs(logits[:, :D], seqs).topk(self.topk, dim=-1)
+        top = self.heads.to_target(top_i)  # [B, D, topk] target ids
+        score, order = self.path_scores(top_p, max_drafts)
+        surv = [[x for x in row if x >= 0.0] for row in score.tolist()]
+        counts = choose_verify_lengths(surv, lambda n: interp_cost(self.verify_costs, n))
+        trees: list[TreeDraft | None] = []
+        for b, (s, n) in enumerate(zip(seqs, counts)):
+            if n == 0:
+                trees.append(None)
+                continue
+            buf = self._subtree(tuple(sorted(order[b, :n].tolist())))
+            trees.append(TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf))
+        return Proposal([[] for _ in seqs], trees=trees)
 
     def _typical(self, tokens, logits, tree, params, generator):
         return verify_typical(tokens, logits, tree, params.temperature, generator, self.posterior_threshold,
@@ -241,10 +314,12 @@ class MedusaProposer(Proposer):
             drafts = self.heads.to_target(chain.argmax(-1)).tolist()
             limits = list(inputs.max_drafts)
             if self.verify_mode == "auto":
-                surv = torch.cumprod(self._confidences(chain, seqs), dim=1).tolist()
+                surv = torch.cumprod(self._probs(chain, seqs).amax(-1), dim=1).tolist()
                 limits = choose_verify_lengths([row[: max(0, m)] for row, m in zip(surv, limits)],
                                                lambda n: interp_cost(self.verify_costs, n))
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
+        if self._candidates is not None:
+            return self._propose_dynamic(logits, seqs, list(inputs.max_drafts))
         K = self.tree.max_depth
         top = self.heads.to_target(logits[:, :K].topk(self.topk, dim=-1).indices)  # [B, K, topk] target ids
         trees, chains = [], []

@@ -60,8 +60,9 @@ def test_bench_none_hf_ngram_float32(tmp_path):
     r = specserve("bench", "--methods", "none,hf,ngram", "--num-prompts", "2", "--max-tokens", "8", "--dtype",
                   "float32", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "tok/s" in r.stdout and "ours/hf" in r.stdout
+    assert "tok/s" in r.stdout and "ours/hf" in r.stdout and "interleaved prompt by prompt" in r.stdout
     rows = json.loads(out.read_text())
+    assert all(row["interleaved"] for row in rows)
     assert [(row["method"], row["dtype"]) for row in rows] == [("none", "float32"), ("hf", "float32"),
                                                                  ("ngram", "float32")]
     ngram = rows.pop()

@@ -1,12 +1,14 @@
 """Medusa heads and drafting: head math, chain/tree proposals, lossless decoding, TP replication."""
 
 import json
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
+from specserve.spec_decode.cost_model import MAX_PROFILED_TOKENS
 from specserve.spec_decode.medusa import expected_tokens, greedy_tree
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 
@@ -121,7 +123,8 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
 
 
 @pytest.mark.parametrize("tree, draft_vocab, verify", [
-    (None, None, "full"), (8, None, "full"), (None, 10, "full"), (8, 10, "full"), (None, None, "auto")])
+    (None, None, "full"), (8, None, "full"), (None, 10, "full"), (8, 10, "full"), (None, None, "auto"),
+    (8, 10, "auto")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify):
     cfg = json.loads((small_vocab_model / "config.json").read_text())
     heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0,
@@ -136,7 +139,7 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, 
     b = sample_prefixes(spec, 2000, 100_000, k=5)
     m = spec.get_metrics()
     assert m["num_accepted_tokens"] > 100  # drafts were really accepted
-    if verify == "auto":
+    if verify == "auto" and tree is None:
         assert 0 < m["num_draft_tokens"] < 3 * m["num_verify_steps"]
     assert_same_distribution(a, b)
 
@@ -162,11 +165,61 @@ def test_auto_verify_cuts_chains_by_cost(tiny_llama, tiny_heads):
         out = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == plain
         assert check(llm.get_metrics()), (costs, llm.get_metrics())
-    with pytest.raises(ValueError, match="medusa_verify='auto' cuts chains"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["own"]),
-                                                       "medusa_verify": "auto", "medusa_tree": 4})
     with pytest.raises(ValueError, match="medusa_verify must be one of"):
         LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "medusa_verify": "sometimes"})
+
+
+@pytest.mark.parametrize("kind, tree", [("own", 6), ("shared-draft-vocab", "auto")])
+def test_dynamic_tree_by_cost(tiny_llama, tiny_heads, kind, tree):
+    """``medusa_verify="auto"`` with a tree: each step, each request verifies its highest-scoring
+    candidate paths (score = product of the heads' probabilities of the path's tokens), a subtree, as
+    many as the cost model finds worth it: all with a free verification, none with a steep one, a
+    varying number in between; greedy output never changes."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "medusa_tree": tree,
+                                  "medusa_topk": 4, "medusa_verify": "auto"})
+    prop = llm.engine.proposer
+    cand = prop._candidates["paths"]
+    assert len(cand) == (6 if tree == 6 else 64)
+    assert {1, 2, len(cand) + 1} <= set(prop.verify_costs)
+    # 16 sequences x 65 tokens are extrapolated, not measured at start-up
+    assert max(prop.verify_costs) == (MAX_PROFILED_TOKENS if tree == "auto" else 16 * 7)
+    sizes, allowed = [], []
+    engine_propose = prop.propose
+
+    def record(inputs):
+        logits = prop.heads.logits(torch.stack([prop._hidden[s.seq_id] for s in inputs.seqs]), prop.lm_head)
+        out = engine_propose(inputs)
+        for b, (s, t) in enumerate(zip(inputs.seqs, out.trees)):
+            probs = torch.softmax(logits[b].float(), -1).topk(4, -1)
+            score = {tuple(p): math.prod(float(probs.values[d, r]) for d, r in enumerate(p)) for p in map(tuple, cand)
+                     if len(p) <= inputs.max_drafts[b]}
+            n = 0 if t is None else t.buffers.num_nodes - 1
+            sizes.append(n)
+            # a free verification takes every path that adds to the expected count (not those of ~0 probability)
+            allowed.append((sum(v > 1e-9 for v in score.values()), sum(v > 0 for v in score.values())))
+            if t is None:
+                continue
+            paths = [tuple(p) for p in t.buffers.rank_paths]
+            assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # a subtree
+            assert min(score[p] for p in paths) >= max([v for p, v in score.items() if p not in paths], default=0) - 1e-6
+            ids = prop.heads.to_target(probs.indices)
+            assert t.tokens == [s.output_ids[-1]] + [int(ids[len(p) - 1, p[-1]]) for p in t.buffers.rank_paths]
+        return out
+
+    prop.propose = record
+    for costs, check in (({1: 1.0, 1000: 1.0}, lambda: all(lo <= n <= hi for n, (lo, hi) in zip(sizes, allowed)) and max(sizes) > len(cand) // 2),
+                         ({1: 1.0, 1000: 1000.0}, lambda: set(sizes) == {0}),
+                         ({1: 1.0, 1000: 1.0 + 999 * 0.1}, lambda: len(set(sizes)) > 2 and 0 < max(sizes))):
+        prop.verify_costs = costs
+        sizes.clear()
+        allowed.clear()
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == plain
+        assert check(), (costs, sizes, allowed)
 
 
 def test_typical_acceptance_is_opt_in_and_runs(tiny_llama, tiny_heads, caplog):
@@ -253,15 +306,3 @@ def test_draft_vocabulary_proposals_are_mapped_target_ids(tiny_llama, tiny_heads
         logits = prop.heads.logits(h[None])[0]
     assert logits.shape[-1] == 60
     assert drafts == tmap[logits[:3].argmax(-1)].tolist() and set(drafts) <= set(tmap.tolist())
-
-
-def test_bench_sized_tree_rows():
-    from specserve.bench.harness import BenchError, method_factory, parse_methods
-
-    assert parse_methods("medusa-tree-64,none") == ["none", "medusa-tree-64"]
-    row = method_factory("medusa-tree-64")()
-    assert row.name == "medusa-tree-64"
-    assert row.speculative_config == {"method": "medusa", "medusa_tree": 64}
-    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064"):
-        with pytest.raises(BenchError, match="medusa-tree-N"):
-            parse_methods(bad)

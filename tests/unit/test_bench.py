@@ -1,0 +1,62 @@
+"""The benchmark harness: method names, and interleaving the methods prompt by prompt."""
+
+import pytest
+
+
+def test_bench_sized_tree_rows():
+    from specserve.bench.harness import BenchError, method_factory, parse_methods
+
+    assert parse_methods("medusa-tree-64,none") == ["none", "medusa-tree-64"]
+    row = method_factory("medusa-tree-64")()
+    assert row.name == "medusa-tree-64"
+    assert row.speculative_config == {"method": "medusa", "medusa_tree": 64}
+    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064"):
+        with pytest.raises(BenchError, match="medusa-tree-N"):
+            parse_methods(bad)
+
+
+def test_bench_interleaves_methods_prompt_by_prompt():
+    """All methods load first, then every prompt goes through every method (order rotating), and the
+    results equal a one-method-after-the-other run; sessions are closed either way."""
+    from specserve.bench.harness import BenchContext, MethodResult, Session, _run_methods, run_alone
+
+    calls, closed = [], []
+
+    class FakeSession(Session):
+        def __init__(self, ctx, name):
+            super().__init__(ctx)
+            self.name = name
+            calls.append(("start", name))
+
+        def _generate(self, ids, n, i):
+            calls.append((self.name, i))
+            return [len(self.name), i]
+
+        def close(self):
+            closed.append(self.name)
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def start(self, ctx):
+            return FakeSession(ctx, self.name)
+
+        def run(self, ctx):
+            return run_alone(self, ctx)
+
+    ctx = BenchContext(None, None, "float32", [[1], [2], [3], [4]], [], 8, 0.0, 0, 1)
+    names = ["none", "a", "bb"]
+    runners = {n: Fake(n) for n in names}
+    got = _run_methods(runners, names, ctx, True, lambda s: None)
+    assert calls[:3] == [("start", n) for n in names]
+    assert calls[3:] == [("none", 0), ("a", 0), ("bb", 0), ("a", 1), ("bb", 1), ("none", 1),
+                         ("bb", 2), ("none", 2), ("a", 2), ("none", 3), ("a", 3), ("bb", 3)]
+    assert sorted(closed) == sorted(names)
+    calls.clear()
+    closed.clear()
+    alone = _run_methods(runners, names, ctx, False, lambda s: None)
+    assert [c for c in calls if c[0] != "start"] == [(n, i) for n in names for i in range(4)]
+    assert sorted(closed) == sorted(names)
+    for n in names:
+        assert isinstance(got[n], MethodResult) and got[n].outputs == alone[n].outputs == [[len(n), i] for i in range(4)]
