@@ -316,8 +316,8 @@ def cmd_demo(args) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
-            ("Medusa (shipped heads, a tree chosen every step by the cost model, lossless)",
-             {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"}),
+            ("Medusa (shipped heads, chain length from the cost model, lossless)",
+             {"method": "medusa", "medusa_verify": "auto"}),
             ("DSpark (shipped drafter, verify length from the cost model, lossless)",
              {"method": "dspark", "dspark_verify": "auto"})]
     results = []
