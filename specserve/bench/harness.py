@@ -158,9 +158,13 @@ class SpecserveSession(Session):
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
                        max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
-        self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
-        self.llm.reset_metrics()
-        self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
+        try:
+            self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
+            self.llm.reset_metrics()
+            self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
+        except BaseException:  # no session to close yet: stop the engine (and its TP workers) here
+            self.llm.shutdown()
+            raise
 
     def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
         from specserve import SamplingParams
@@ -395,6 +399,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     cfg_eos = read_config(model_dir).eos_token_id
     eos_ids = list(dict.fromkeys((tok.eos_token_ids or []) + ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or []))))
     greedy = temperature < 1e-5
+    interleaved = interleave and tensor_parallel_size == 1  # TP: one set of worker processes at a time
 
     rows = []
     for dtype in dtype_names:
@@ -402,7 +407,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                            tensor_parallel_size)
         base: MethodResult | None = None
         base_tps = None
-        results = _run_methods(runners, names, ctx, interleave and tensor_parallel_size == 1, log)
+        results = _run_methods(runners, names, ctx, interleaved, log)
         for name in names:
             res = results[name]
             tps = res.generated_tokens / res.wall_s if res.wall_s > 0 else 0.0
@@ -426,7 +431,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                 "acceptance_rate_per_position": res.acceptance_rate_per_position,
                 "threads": threads,
                 "tensor_parallel_size": tensor_parallel_size,
-                "interleaved": interleave and tensor_parallel_size == 1,
+                "interleaved": interleaved,
                 "model_dir": str(model_dir),
                 **res.extra,
             })
