@@ -58,12 +58,16 @@ def speculative_config_from_args(args) -> dict | None:
 
 def _add_train_data_args(m: argparse.ArgumentParser) -> None:
     """The data and run options every drafter trainer takes (same prompts, cache and defaults)."""
-    m.add_argument("--prompts", default=None, metavar="FILE",
-                   help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line "
-                        "(default: chitchat-dataset conversations); ~10%% are held out by a hash of the text")
-    m.add_argument("--num-prompts", type=_positive_int, default=400, help="training prompts (default 400)")
+    m.add_argument("--prompts", default=None, action="append", metavar="SOURCE",
+                   help="where the prompts come from: 'chitchat' (chitchat-dataset conversations, the default), "
+                        "'instructions' (specserve's instruction prompts: templates x topics), or a FILE (JSONL "
+                        "with a \"prompt\" field per line, or plain text with one prompt per line; ~10%% held out "
+                        "by a hash of the text). Repeat (or give a comma list) to combine sources")
+    m.add_argument("--num-prompts", type=_positive_int, default=400,
+                   help="training prompts from each source (default 400)")
     m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
-                   help="held-out prompts to evaluate (and calibrate) on (default max(8, num_prompts/10))")
+                   help="held-out prompts from each source to evaluate (and calibrate) on "
+                        "(default max(8, num_prompts/10))")
     m.add_argument("--max-tokens", type=_positive_int, default=128,
                    help="response tokens per prompt at most (default 128)")
     m.add_argument("--temperature", type=float, default=0.0,

@@ -1,7 +1,9 @@
 """Pieces shared by the drafter trainers (``specserve.train.medusa`` and ``specserve.train.dspark``).
 
-- ``select_prompts``: the training and held-out prompts (chitchat or a prompts file), with the same
-  split, seed and truncation for both trainers, so both see the same prompts.
+- ``prompt_sources`` / ``select_prompts``: the training and held-out prompts of each source (chitchat,
+  the instruction prompts or a prompts file), with the same split, seed and truncation for both
+  trainers, so both see the same prompts. Each source is self-distilled and cached on its own
+  (``TrainRun.distill``, ``by_source``), so adding a source reuses what the others have cached.
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
@@ -21,6 +23,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -29,22 +32,47 @@ from specserve.train.data import (DataError, default_cache_dir, load_prompts, re
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
+INSTRUCTIONS_DESC = "specserve's instruction prompts (specserve.train.instructions: templates x topics)"
 
 
-def select_prompts(prompts_file: str | None, num_prompts: int, num_eval_prompts: int, seed: int
+BUILTIN_SOURCES = ("chitchat", "instructions")
+
+
+def prompt_sources(spec) -> list[str]:
+    """The training prompt sources: None -> ``["chitchat"]``; a string or a list of strings, each
+    "chitchat", "instructions" (``specserve.train.instructions``) or a prompts file (comma lists allowed)."""
+    if spec is None:
+        return ["chitchat"]
+    items = [spec] if isinstance(spec, (str, Path)) else list(spec)
+    out = [x.strip() for it in items for x in str(it).split(",") if x.strip()]
+    if not out:
+        raise DataError("no prompt source given")
+    if len(set(out)) != len(out):
+        raise DataError(f"a prompt source is repeated: {out}")
+    return out
+
+
+def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: int
                    ) -> tuple[list[str], list[str], str]:
-    """(training prompts, held-out prompts, description of the data). A prompts file is split by
-    the hash of each prompt (``split_prompts``), the training part shuffled with ``seed``; chitchat
-    uses its conversation-id split. Raises ``DataError`` unless both parts are non-empty."""
-    if prompts_file:
-        train_p, held_p = split_prompts(read_prompts_file(prompts_file))
-        random.Random(seed).shuffle(train_p)
-        train_p, held_p = train_p[:num_prompts], held_p[:num_eval_prompts]
-        desc = f"prompts file {prompts_file}"
-    else:
+    """(training prompts, held-out prompts, description of the data) of one source. A prompts file is
+    split by the hash of each prompt (``split_prompts``), the training part shuffled with ``seed``;
+    chitchat uses its conversation-id split, the instruction prompts a hash split. Raises
+    ``DataError`` unless both parts are non-empty."""
+    if source == "chitchat":
         train_p = load_prompts("train", num_prompts, seed)
         held_p = load_prompts("heldout", num_eval_prompts, seed)
         desc = CHITCHAT_DESC
+    elif source == "instructions":
+        from specserve.train.instructions import load_instruction_prompts
+
+        train_p = load_instruction_prompts("train", num_prompts, seed)
+        held_p = load_instruction_prompts("heldout", num_eval_prompts, seed)
+        desc = INSTRUCTIONS_DESC
+    else:
+        train_p, held_p = split_prompts(read_prompts_file(source))
+        random.Random(seed).shuffle(train_p)
+        train_p, held_p = train_p[:num_prompts], held_p[:num_eval_prompts]
+        desc = f"prompts file {source}"
     if not train_p or not held_p:
         raise DataError(f"need at least one training and one held-out prompt, got {len(train_p)} and {len(held_p)}")
     return train_p, held_p, desc
@@ -99,18 +127,29 @@ def keep_num_threads():
 
 @dataclass
 class TrainRun:
-    """The opening both trainers share: the prompts and the target loaded for generation (``llm``).
-    ``timings`` holds ``prompts_s``; ``t_distill`` is when the self-distillation phase began (loading
-    the target counts toward it)."""
+    """The opening both trainers share: the prompts of each source (``parts``: [(training prompts,
+    held-out prompts)]) and the target loaded for generation (``llm``). ``timings`` holds
+    ``prompts_s``; ``t_distill`` is when the self-distillation phase began (loading the target counts
+    toward it). After ``distill``, ``train_sizes`` / ``held_sizes`` give each source's share of the
+    (concatenated) samples, for ``by_source``."""
 
     t_start: float
     cache_dir: Path
-    train_p: list
-    held_p: list
+    parts: list
     data_desc: str
     llm: object
     t_distill: float
     timings: dict = field(default_factory=dict)
+    train_sizes: list = field(default_factory=list)
+    held_sizes: list = field(default_factory=list)
+
+    @property
+    def train_p(self) -> list:
+        return [p for tr, _ in self.parts for p in tr]
+
+    @property
+    def held_p(self) -> list:
+        return [p for _, he in self.parts for p in he]
 
     @property
     def model_dir(self) -> Path:
@@ -127,16 +166,36 @@ class TrainRun:
                 f"{args.max_tokens} tokens, temperature {args.temperature}")
 
     def distill(self, args, log=None) -> tuple[list[dict], list[dict]]:
-        """``distill_splits`` of the run's prompts with the trainer's generation options."""
-        return distill_splits(self.llm, self.train_p, self.held_p, max_tokens=args.max_tokens,
-                              temperature=args.temperature, batch_size=args.gen_batch_size, seed=args.seed,
-                              chat=args.chat, cache_dir=self.cache_dir, log=log)
+        """``distill_splits`` of each source's prompts with the trainer's generation options (each
+        source through its own cache entry), concatenated in source order."""
+        train_s, held_s = [], []
+        for tr, he in self.parts:
+            a, b = distill_splits(self.llm, tr, he, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
+                                  cache_dir=self.cache_dir, log=log)
+            train_s += a
+            held_s += b
+        self.train_sizes = [len(tr) for tr, _ in self.parts]
+        self.held_sizes = [len(he) for _, he in self.parts]
+        return train_s, held_s
+
+
+def by_source(fn: Callable[[list], list], samples: list, sizes: list[int]) -> list:
+    """``fn`` on each source's consecutive run of ``samples`` (``sizes``), results concatenated: a
+    per-sample computation with a cache keyed by its input keeps one cache entry per source."""
+    if sum(sizes) != len(samples):
+        raise ValueError(f"source sizes {sizes} do not add up to {len(samples)} samples")
+    out, i = [], 0
+    for n in sizes:
+        out += fn(samples[i : i + n])
+        i += n
+    return out
 
 
 def start_run(args) -> TrainRun:
     """Set threads and seed, choose the prompts, load the target for generation (``args``: a trainer's
-    arguments: threads, seed, cache_dir, prompts_file, num_prompts, eval_prompts, model, gen_dtype,
-    gen_batch_size)."""
+    arguments: threads, seed, cache_dir, prompts_file (one source or a list, ``prompt_sources``),
+    num_prompts and eval_prompts (per source), model, gen_dtype, gen_batch_size)."""
     from specserve import LLM
 
     t_start = time.perf_counter()
@@ -145,12 +204,16 @@ def start_run(args) -> TrainRun:
     torch.manual_seed(args.seed)
     cache_dir = args.cache_dir or default_cache_dir()
     t = time.perf_counter()
-    train_p, held_p, data_desc = select_prompts(args.prompts_file, args.num_prompts, args.eval_prompts, args.seed)
+    parts, descs = [], []
+    for src in prompt_sources(args.prompts_file):
+        train_p, held_p, desc = select_prompts(src, args.num_prompts, args.eval_prompts, args.seed)
+        parts.append((train_p, held_p))
+        descs.append(desc)
     timings = {"prompts_s": time.perf_counter() - t}
     t_distill = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
               num_threads=args.threads)
-    return TrainRun(t_start, Path(cache_dir), train_p, held_p, data_desc, llm, t_distill, timings)
+    return TrainRun(t_start, Path(cache_dir), parts, " + ".join(descs), llm, t_distill, timings)
 
 
 def _cosine(warmup_steps: int, total: int):

@@ -68,7 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import adamw_cosine, float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.common import (adamw_cosine, by_source, float32_runner, keep_num_threads, select_draft_vocab,
+                                    start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
@@ -91,7 +92,7 @@ class DSparkTrainArgs:
     mask_token_id: int | None = None  # default: vocab_size - 1
     draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else the most frequent response tokens
     anchors_per_seq: int = 16
-    prompts_file: str | None = None
+    prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
     num_prompts: int = 400
     num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
     max_tokens: int = 128
@@ -751,8 +752,10 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     runner, kept = float32_runner(llm, args.gen_dtype)
     model = runner.model
-    f_train = cached_target_features(model, model_dir, train_s, layer_ids, cache_dir, log, args.progress)
-    f_held = cached_target_features(model, model_dir, held_s, layer_ids, cache_dir, log, args.progress)
+    features = lambda s: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
+                                                args.progress)
+    f_train = by_source(features, train_s, run.train_sizes)
+    f_held = by_source(features, held_s, run.held_sizes)
     lm_w, lm_b = (x.clone() if x is not None else None for x in target_lm_head(model))
     embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
     if kept:

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import adamw_cosine, float32_runner, keep_num_threads, select_draft_vocab, start_run
+from specserve.train.common import (adamw_cosine, by_source, float32_runner, keep_num_threads, select_draft_vocab,
+                                    start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 
 IGNORE = -100
@@ -50,7 +51,7 @@ class MedusaTrainArgs:
     num_heads: int = 4
     num_layers: int = 1
     own_lm_head: bool = False
-    prompts_file: str | None = None
+    prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
     num_prompts: int = 400
     num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
     max_tokens: int = 128
@@ -325,8 +326,9 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     runner, kept = float32_runner(llm, args.gen_dtype)
     model = runner.model
-    hid_train = cached_hidden_states(model, model_dir, train_s, cache_dir, log, args.progress)
-    hid_held = cached_hidden_states(model, model_dir, held_s, cache_dir, log, args.progress)
+    hidden = lambda s: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
+    hid_train = by_source(hidden, train_s, run.train_sizes)
+    hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(model)
     cfg_t = runner.config
     if kept:
