@@ -225,6 +225,10 @@ def _add_train_dspark_parser(tsub) -> None:
     m.add_argument("--warmup", type=float, default=0.04, help="linear warm-up, fraction of the steps (default 0.04)")
     m.add_argument("--batch-size", type=_positive_int, default=8,
                    help="sequences per step, each with --anchors-per-seq blocks (default 8)")
+    m.add_argument("--eval-only", action="store_true",
+                   help="train nothing: evaluate the drafter already at --out on the held-out prompts of the data "
+                        "options and rewrite the held-out figures of its config.json and README.md (the drafter's "
+                        "own config decides its shape; its weights are not touched)")
     _add_train_data_args(m)
     m.set_defaults(func=cmd_train_dspark)
 
@@ -383,6 +387,10 @@ def cmd_train_medusa(args) -> int:
     for k in range(len(ev["top1"])):
         print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}  (zero init top-1 "
               f"{zero['top1'][k]:.3f})")
+    dec = ev["decode"]
+    print(f"greedy decoding with {len(ev['top1'])}-token chains, replayed: tau {dec['tau']:.3f} ("
+          + " ".join(f"{x:.2f}" for x in dec["acceptance"]) + ")"
+          + "".join(f", {k} {v:.3f}" for k, v in dec.get("by_source", {}).items()))
     return 0
 
 
@@ -399,22 +407,31 @@ def cmd_train_dspark(args) -> int:
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
-        chat=not args.no_chat, progress=not args.no_progress)
+        chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_dspark(targs, command=command)
-    ev, init, tm, cfg = res["heldout"], res["heldout_init"], res["timings"], res["config"]
-    print(f"wrote a {res['meta']['method']} drafter ({cfg['num_layers']} layer(s), block {cfg['block_size']}, "
-          f"Markov rank {cfg['markov_rank']}, target layers {cfg['target_layer_ids']}) to {res['out']} "
-          f"(config.json, model.safetensors, README.md)")
+    ev, tm, cfg = res["heldout"], res["timings"], res["config"]
+    init = res.get("heldout_init")
+    if targs.eval_only:
+        print(f"evaluated the drafter at {res['out']} (block {cfg['block_size']}, Markov rank {cfg['markov_rank']}) "
+              "and rewrote the held-out figures of its config.json and README.md")
+    else:
+        print(f"wrote a {res['meta']['method']} drafter ({cfg['num_layers']} layer(s), block {cfg['block_size']}, "
+              f"Markov rank {cfg['markov_rank']}, target layers {cfg['target_layer_ids']}) to {res['out']} "
+              f"(config.json, model.safetensors, README.md)")
     print(f"time: {tm['total_s']:.0f} s (" + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in tm.items()
                                                     if k != "total_s") + ")")
-    print(f"held-out on {res['meta']['heldout_prompts']} prompts ({ev['blocks'][0]} blocks): loss {init['loss']:.3f} "
-          f"at init -> {ev['loss']:.3f}; slot k drafts the token at a+k:")
+    was = f"{init['loss']:.3f} at init -> " if init else ""
+    print(f"held-out on {res['meta']['heldout_prompts']} prompts ({ev['blocks'][0]} blocks): loss {was}"
+          f"{ev['loss']:.3f}; slot k drafts the token at a+k:")
     for k in range(len(ev["acceptance"])):
         print(f"  slot {k + 1}: acceptance estimate {ev['acceptance'][k]:.3f}  cumulative {ev['cumulative'][k]:.3f}  "
               f"greedy {ev['greedy_acceptance'][k]:.3f}  STS T {res['sts']['temperatures'][k]:.2f}")
-    print(f"tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}; {init['tau']:.3f} at init)")
+    print(f"tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}" + (f"; {init['tau']:.3f} at init" if init else "")
+          + f"); greedy decoding replayed: tau {ev['decode']['tau']:.3f} ("
+          + " ".join(f"{x:.2f}" for x in ev["decode"]["acceptance"]) + ")"
+          + "".join(f", {k} {v:.3f}" for k, v in ev["decode"].get("by_source", {}).items()))
     return 0
 
 

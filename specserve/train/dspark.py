@@ -68,7 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import (adamw_cosine, by_source, float32_runner, keep_num_threads, select_draft_vocab,
+from specserve.train.common import (adamw_cosine, by_source, decode_section, float32_runner, keep_num_threads,
+                                    prompt_sources, replay_by_source, replay_greedy_decoding, select_draft_vocab,
                                     start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
@@ -114,6 +115,7 @@ class DSparkTrainArgs:
     gen_dtype: str = "auto"  # dtype of the target while it writes the responses
     chat: bool = True
     progress: bool = True
+    eval_only: bool = False  # evaluate the drafter already at ``out`` (no training); rewrite its README
 
     def validate(self) -> None:
         for name in ("num_layers", "block_size", "anchors_per_seq", "num_prompts", "max_tokens", "epochs",
@@ -543,7 +545,9 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
                      batch_size: int = 4, progress: bool = False) -> dict:
     """Every anchor of every sequence (deterministic). Returns per-block arrays [nb, G] ``cstar``,
     ``conf_logit``, ``hit`` (float, NaN where the slot has no label), ``valid``; the mean ``loss``;
-    and the summaries of ``acceptance_summary``."""
+    the summaries of ``acceptance_summary``; ``lengths`` (blocks per sequence, in order) and
+    ``decode``: greedy decoding with full verification replayed on the hits
+    (``replay_greedy_decoding``)."""
     drafter.eval()
     items = []
     for i, s in enumerate(samples):
@@ -581,6 +585,8 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
     res["valid"] = torch.cat(valid_all)
     res["loss"] = loss_sum / max(w_sum, 1e-9)
     res.update(acceptance_summary(res["cstar"], res["hit"], res["valid"]))
+    res["lengths"] = [max(0, hi - lo) for lo, hi in map(anchor_range, samples)]  # rows per sequence
+    res["decode"] = replay_greedy_decoding(torch.nan_to_num(res["hit"]) > 0.5, res["lengths"])
     return res
 
 
@@ -723,7 +729,7 @@ def train_dspark(args: DSparkTrainArgs, command: str | None = None, log=stderr_l
 
 def _summary(ev: dict) -> dict:
     return {k: ev[k] for k in ("loss", "acceptance", "cumulative", "tau", "greedy_acceptance", "greedy_cumulative",
-                               "greedy_tau", "blocks")}
+                               "greedy_tau", "blocks", "decode")}
 
 
 def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
@@ -736,16 +742,25 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     # -- self-distillation
     t = run.t_distill
     tcfg = llm.engine.runner.config
+    saved = None  # eval_only: (config, state dict, config.json) of the drafter at args.out
     try:
-        layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
-        mask_id = tcfg.vocab_size - 1 if args.mask_token_id is None else int(args.mask_token_id)
+        if args.eval_only:
+            from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+
+            cfg_sd = load_dspark_checkpoint(args.out, tcfg)
+            saved = (*cfg_sd, json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8")))
+            layer_ids, mask_id = list(saved[0].target_layer_ids), int(saved[0].mask_token_id)
+        else:
+            layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
+            mask_id = tcfg.vocab_size - 1 if args.mask_token_id is None else int(args.mask_token_id)
         if not 0 <= mask_id < tcfg.vocab_size:
             raise ValueError(f"mask_token_id {mask_id} is outside the target's vocabulary [0, {tcfg.vocab_size})")
-    except ValueError:
+    except (ValueError, OSError):
         llm.shutdown()
         raise
     log(f"{run.describe(args)}; target layers {layer_ids}, mask token {mask_id}")
     train_s, held_s = run.distill(args, log)
+    held_sizes, sources = run.held_sizes, prompt_sources(args.prompts_file)
     timings["self_distill_s"] = time.perf_counter() - t
 
     # -- target features (float32 target, once)
@@ -754,7 +769,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     model = runner.model
     features = lambda s: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
                                                 args.progress)
-    f_train = by_source(features, train_s, run.train_sizes)
+    f_train = [] if saved else by_source(features, train_s, run.train_sizes)
     f_held = by_source(features, held_s, run.held_sizes)
     lm_w, lm_b = (x.clone() if x is not None else None for x in target_lm_head(model))
     embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
@@ -766,18 +781,26 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     log(f"{len(train_s)} training sequences ({n_resp} response tokens), {len(held_s)} held-out sequences")
 
     # -- the drafter
-    cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
-                         mask_token_id=mask_id, markov_rank=args.markov_rank, markov_head_type=args.markov_head_type,
-                         draft_vocab_size=args.draft_vocab_size)
-    cfg.validate(tcfg)
-    torch.manual_seed(args.seed)
-    drafter = DFlashDrafter(cfg, dtype=torch.float32)
-    init_drafter_(drafter)
+    if saved:
+        cfg = saved[0]
+        drafter = DFlashDrafter(cfg, dtype=torch.float32)
+        drafter.load_state(saved[1])
+    else:
+        cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
+                             mask_token_id=mask_id, markov_rank=args.markov_rank,
+                             markov_head_type=args.markov_head_type, draft_vocab_size=args.draft_vocab_size)
+        cfg.validate(tcfg)
+        torch.manual_seed(args.seed)
+        drafter = DFlashDrafter(cfg, dtype=torch.float32)
+        init_drafter_(drafter)
     vocab_cover = 1.0
     if cfg.pruned_vocab:  # own lm_head over the most frequent response tokens; full-vocab log-sum-exp once
         t = time.perf_counter()
-        vocab_ids = select_draft_vocab(train_s, tcfg.vocab_size, cfg.draft_vocab_size)
-        set_draft_vocab_(drafter, vocab_ids, lm_w)
+        if saved:
+            vocab_ids = draft_vocab_ids(drafter)
+        else:
+            vocab_ids = select_draft_vocab(train_s, tcfg.vocab_size, cfg.draft_vocab_size)
+            set_draft_vocab_(drafter, vocab_ids, lm_w)
         inside = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
         inside[vocab_ids] = True
         resp = torch.cat([torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long) for s in held_s])
@@ -792,6 +815,9 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     loss_w = (args.ce_weight, args.tv_weight, args.conf_weight)
     ekw = dict(gamma=G, mask_token_id=mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress)
 
+    if saved:
+        return _evaluate_saved(args, command, log, drafter, cfg, saved[2], held_s, f_held, lm_w, lm_b, embed_w, ekw,
+                               held_sizes, sources, vocab_cover, t_start, timings)
     t = time.perf_counter()
     init_ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
     timings["eval_init_s"] = time.perf_counter() - t
@@ -810,10 +836,12 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     round_to_bf16_(drafter)
     ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
     sts = fit_sts(ev["conf_logit"], ev["cstar"], ev["valid"])
+    ev["decode"] = replay_by_source(torch.nan_to_num(ev["hit"]) > 0.5, ev["lengths"], held_sizes, sources)
     timings["eval_s"] = time.perf_counter() - t
     log(f"held-out: loss {ev['loss']:.4f}, acceptance estimate per slot "
         + " ".join(f"{x:.3f}" for x in ev["acceptance"]) + f", tau estimate {ev['tau']:.3f} "
-        f"(greedy {ev['greedy_tau']:.3f}); STS temperatures " + " ".join(f"{x:.2f}" for x in sts["temperatures"]))
+        f"(greedy {ev['greedy_tau']:.3f}; greedy decoding replayed {ev['decode']['tau']:.3f}); STS temperatures "
+        + " ".join(f"{x:.2f}" for x in sts["temperatures"]))
 
     # -- save
     t = time.perf_counter()
@@ -858,6 +886,10 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
         "heldout_greedy_tau": round(ev["greedy_tau"], 4),
         "heldout_tau_init": round(init_ev["tau"], 4),
+        "heldout_greedy_tau_init": round(init_ev["greedy_tau"], 4),
+        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
+        "heldout_decode_acceptance": r3(ev["decode"]["acceptance"]),
+        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
         "sts_ece_before": r3(sts["ece_before"]),
         "sts_ece_after": r3(sts["ece_after"]),
         "threads": torch.get_num_threads(),
@@ -870,14 +902,71 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     config = checkpoint_config(cfg, tcfg, num_anchors=args.anchors_per_seq, temperatures=sts["temperatures"],
                                training=meta)
     save_checkpoint(out, drafter, config)
-    (out / "README.md").write_text(_readme(out, cfg, meta, ev, init_ev, sts), encoding="utf-8")
+    (out / "README.md").write_text(_readme(out, cfg, meta, ev, sts), encoding="utf-8")
     log(f"wrote the {method} drafter to {out} ({timings['total_s']:.0f} s in all)")
     return {"out": str(out), "timings": timings, "heldout": _summary(ev), "heldout_init": _summary(init_ev),
             "sts": sts, "train": tr, "meta": meta, "config": cfg.to_dict(), "train_samples": train_s,
             "heldout_samples": held_s}
 
 
-def _readme(out: Path, cfg, meta: dict, ev: dict, init_ev: dict, sts: dict) -> str:
+def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held, lm_w, lm_b, embed_w, ekw,
+                    held_sizes, sources, vocab_cover, t_start, timings) -> dict:
+    """``--eval-only``: the held-out evaluation and calibration of the drafter already at ``args.out``,
+    written back into its ``config.json`` (``training``'s held-out figures, ``confidence_temperatures``)
+    and ``README.md``; its weights are not touched. The training figures stay those of its training."""
+    t = time.perf_counter()
+    ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
+    sts = fit_sts(ev["conf_logit"], ev["cstar"], ev["valid"])
+    ev["decode"] = replay_by_source(torch.nan_to_num(ev["hit"]) > 0.5, ev["lengths"], held_sizes, sources)
+    timings["eval_s"] = time.perf_counter() - t
+    log(f"held-out: loss {ev['loss']:.4f}, tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}; greedy "
+        f"decoding replayed {ev['decode']['tau']:.3f})")
+    timings["total_s"] = time.perf_counter() - t_start
+    meta = dict(raw.get("training") or {})
+    if "command" not in meta:
+        raise DataError(f"{args.out}/config.json has no 'training' record: --eval-only rewrites the held-out "
+                        "figures of a drafter trained by this command")
+    r3 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
+    meta.update({
+        "heldout_prompts": len(held_s),
+        "heldout_blocks": ev["blocks"][0],
+        "heldout_draft_vocab_coverage": round(vocab_cover, 5),
+        "heldout_loss": round(ev["loss"], 5),
+        "heldout_acceptance": r3(ev["acceptance"]),
+        "heldout_cumulative_acceptance": r3(ev["cumulative"]),
+        "heldout_tau": round(ev["tau"], 4),
+        "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
+        "heldout_greedy_tau": round(ev["greedy_tau"], 4),
+        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
+        "heldout_decode_acceptance": r3(ev["decode"]["acceptance"]),
+        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
+        "sts_ece_before": r3(sts["ece_before"]),
+        "sts_ece_after": r3(sts["ece_after"]),
+        "heldout_evaluated_by": {"command": command or "specserve.train.dspark.train_dspark(" + repr(asdict(args))
+                                 + ")", "eval_s": round(timings["eval_s"], 1),
+                                 "total_s": round(timings["total_s"], 1)},
+    })
+    out = Path(args.out)
+    raw = {**raw, "training": meta}
+    if cfg.enable_confidence_head:
+        raw["confidence_temperatures"] = [round(float(x), 6) for x in sts["temperatures"]]
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(_readme(out, cfg, meta, ev, sts), encoding="utf-8")
+    log(f"rewrote the held-out figures of {out} (config.json, README.md)")
+    return {"out": str(out), "timings": timings, "heldout": _summary(ev), "sts": sts, "meta": meta,
+            "config": cfg.to_dict(), "heldout_samples": held_s}
+
+
+def _evaluated_by(meta: dict) -> str:
+    e = meta.get("heldout_evaluated_by")
+    if not e:
+        return ""
+    return (f"\nThe held-out figures on this page were recomputed after training, on the weights as saved, by "
+            f"`{e['command']}` ({e['total_s']:.0f} s; the responses and features came from the cache when it "
+            "held them).\n")
+
+
+def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     G = cfg.block_size
     rows = "\n".join(
         f"| {k + 1} | a+{k + 1} | {ev['acceptance'][k]:.3f} | {ev['cumulative'][k]:.3f} | "
@@ -953,7 +1042,9 @@ blocks with the weights as saved (bfloat16), teacher-forced (the Markov head and
 
 **tau estimate** (expected tokens per verification step, bonus included, = 1 + sum of the cumulative
 products): {ev['tau']:.3f} (rejection sampling at temperature 1), {ev['greedy_tau']:.3f} (greedy);
-{init_ev['tau']:.3f} / {init_ev['greedy_tau']:.3f} at init.
+{meta['heldout_tau_init']:.3f}{f" / {meta['heldout_greedy_tau_init']:.3f}" if 'heldout_greedy_tau_init' in meta else ''} at init.
+{_evaluated_by(meta)}
+{decode_section(ev["decode"], "block")}
 
 ## Use
 

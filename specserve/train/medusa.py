@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, float32_runner, keep_num_threads, select_draft_vocab,
-                                    start_run)
+from specserve.train.common import (adamw_cosine, by_source, decode_section, float32_runner, keep_num_threads,
+                                    prompt_sources, replay_by_source, select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 
 IGNORE = -100
@@ -143,6 +143,11 @@ def cached_hidden_states(model, model_dir, samples, cache_dir, log=None, progres
 
 
 # ---- examples -----------------------------------------------------------------------------------------
+def example_range(sample: dict) -> tuple[int, int]:
+    """[t0, t1) of a sequence's example positions: response positions t whose head 0 has a label."""
+    return max(int(sample["prompt_len"]) - 1, 0), len(sample["ids"]) - 2
+
+
 def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(H [N, d], labels [N, 1 + K]) over response positions t (prompt_len - 1 <= t <= T - 3):
@@ -151,8 +156,8 @@ def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: 
     hs, ls = [], []
     for h, s in zip(hiddens, samples):
         ids = torch.as_tensor(s["ids"], dtype=torch.long)
-        T, P = len(ids), int(s["prompt_len"])
-        t0, t1 = max(P - 1, 0), T - 2  # positions [t0, t1): head 0 has a label
+        T = len(ids)
+        t0, t1 = example_range(s)
         if t1 <= t0:
             continue
         t = torch.arange(t0, t1)
@@ -194,11 +199,13 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     """Per-head accuracy and CE on (H, labels) from ``build_examples``: ``top1``/``top5`` [K],
     ``topk`` [K][topk] (cumulative: top-1, top-2, ...), ``loss`` [K], ``n`` [K] positions, and
     ``base_top1``: the base lm_head's top-1 agreement with token t+1 (1.0 up to numerics for greedy
-    self-distilled data)."""
+    self-distilled data), ``chain_hits`` [N, K] bool: each head's top-1 is its label (the chain drafts
+    of a step at that position, for ``replay_greedy_decoding``)."""
     K = heads.cfg.num_heads
     V = lm_w.shape[0]
     topk = min(topk, V)
     hits = torch.zeros(K, topk, dtype=torch.float64)
+    chain_hits = []
     loss = torch.zeros(K, dtype=torch.float64)
     n = torch.zeros(K, dtype=torch.float64)
     base_hits = base_n = 0.0
@@ -211,6 +218,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
         top = logits.topk(topk, dim=-1).indices  # [B, K, topk]
         match = (top == yk.unsqueeze(-1)).cumsum(-1).clamp(max=1) & ok.unsqueeze(-1)
         hits += match.sum(0).double()
+        chain_hits.append(match[..., 0].bool())
         n += ok.sum(0).double()
         ce = F.cross_entropy(logits.reshape(-1, V), yk.reshape(-1).clamp(min=0), reduction="none").view(yk.shape)
         loss += (ce * (yk >= 0)).sum(0).double()
@@ -231,6 +239,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
         "loss": (loss / nn_).tolist(),
         "n": [int(x) for x in n.tolist()],
         "base_top1": base_hits / max(base_n, 1.0),
+        "chain_hits": torch.cat(chain_hits) if chain_hits else torch.zeros(0, K, dtype=torch.bool),
     }
 
 
@@ -320,6 +329,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     t = run.t_distill
     log(run.describe(args))
     train_s, held_s = run.distill(args, log)
+    held_sizes, sources = run.held_sizes, prompt_sources(args.prompts_file)
     timings["self_distill_s"] = time.perf_counter() - t
 
     # -- hidden states (float32 target, once)
@@ -385,6 +395,9 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     round_to_bf16_(heads)
     ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
+    lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, held_s)]
+    ev["decode"] = replay_by_source(ev["chain_hits"], lengths, held_sizes, sources)
+    log(f"held-out greedy decoding with {mcfg.num_heads}-token chains, replayed: tau {ev['decode']['tau']:.3f}")
     timings["eval_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
 
@@ -419,6 +432,9 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "heldout_base_top1": round(ev["base_top1"], 5),
         "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
         "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
+        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
+        "heldout_decode_acceptance": [round(x, 5) for x in ev["decode"]["acceptance"]],
+        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -477,6 +493,8 @@ text's next token at {ev['base_top1']:.3f} of positions (1.0 up to numerics for 
 | head | predicts | top-1 | top-5 | top-1 at zero init | positions |
 |---|---|---|---|---|---|
 {rows}
+
+{decode_section(ev["decode"], f"chain of {K} (each head's top-1)")}
 
 ## Use
 

@@ -241,3 +241,73 @@ def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
                  str(tiny_prompts), "--target-layer-ids", "1", "--threads", "1", "--cache-dir",
                  str(tmp_path / "c"), "--max-tokens", "4", "--num-prompts", "2", "--no-progress"]) == 2
     assert "forbidden" in capsys.readouterr().err
+
+
+def test_train_dspark_two_sources_then_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """Two prompt sources: each is self-distilled and cached on its own, the held-out replay reports
+    both; ``--eval-only`` recomputes the same held-out figures from the saved weights without touching
+    them, and on one source alone reuses that source's cache."""
+    import random
+
+    from specserve.entrypoints.cli import main
+    from specserve.train.common import select_prompts
+    from specserve.train.dspark import DSparkTrainArgs, train_dspark
+
+    r = random.Random(5)
+    more = tmp_path / "more.txt"
+    more.write_text("".join(" ".join(f"w{r.randint(1, 256)}" for _ in range(r.randint(2, 6))) + " ?\n"
+                            for _ in range(40)))
+    out = tmp_path / "two"
+    args = DSparkTrainArgs(out=str(out), model=str(tiny_llama), prompts_file=[str(tiny_prompts), str(more)],
+                           num_prompts=20, num_eval_prompts=4, max_tokens=16, block_size=3, markov_rank=8,
+                           epochs=2, lr=3e-3, seed=0, threads=1, cache_dir=str(cache_dir), progress=False)
+    res = train_dspark(args, log=lambda m: None)
+    meta = res["meta"]
+    n_held1 = len(select_prompts(str(tiny_prompts), 20, 4, 0)[1])
+    n_held2 = len(select_prompts(str(more), 20, 4, 0)[1])
+    assert meta["train_prompts"] == 40 and meta["heldout_prompts"] == n_held1 + n_held2 == len(res["heldout_samples"])
+    assert str(tiny_prompts) in meta["data"] and str(more) in meta["data"]
+    dec = res["heldout"]["decode"]
+    assert set(dec["by_source"]) == {str(tiny_prompts), str(more)} and 1.0 <= dec["tau"] <= 4.0
+    assert meta["heldout_decode_tau"] == round(dec["tau"], 4)
+    readme = (out / "README.md").read_text()
+    assert "Greedy decoding, replayed" in readme and "By source" in readme
+    # the replay is what decoding does: the engine, greedy with full verification, on the held-out prompts
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
+        "method": "dspark", "model": str(out), "dspark_verify": "full"})
+    held = res["heldout_samples"]
+    gen = llm.generate([{"prompt_token_ids": h["ids"][: h["prompt_len"]]} for h in held],
+                       SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert [list(g.outputs[0].token_ids) for g in gen] == [h["ids"][h["prompt_len"]:] for h in held]
+    m = llm.get_metrics()
+    assert m["num_verify_steps"] == dec["steps"], (m, dec)
+    assert m["mean_acceptance_length"] == pytest.approx(dec["tau"], abs=0.02)
+
+    weights = (out / "model.safetensors").read_bytes()
+    before = json.loads((out / "config.json").read_text())
+    argv = ["train", "dspark", "--eval-only", "--model", str(tiny_llama), "--out", str(out), "--prompts",
+            str(tiny_prompts), "--prompts", str(more), "--num-prompts", "20", "--num-eval-prompts", "4",
+            "--max-tokens", "16", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    assert main(argv) == 0
+    assert "greedy decoding replayed: tau" in capsys.readouterr().out
+    after = json.loads((out / "config.json").read_text())
+    assert (out / "model.safetensors").read_bytes() == weights
+    for k in ("heldout_decode_tau", "heldout_tau", "heldout_greedy_tau", "heldout_decode_tau_by_source",
+              "epoch_loss", "command"):
+        assert after["training"][k] == before["training"][k], k
+    assert after["confidence_temperatures"] == before["confidence_temperatures"]
+    assert after["training"]["heldout_evaluated_by"]["command"] == "specserve " + " ".join(argv)
+    assert "recomputed after training" in (out / "README.md").read_text()
+
+    # one source alone: its generations and features come from the cache; the figures are its own
+    logs = []
+    one = DSparkTrainArgs(**{**args.__dict__, "prompts_file": str(tiny_prompts), "eval_only": True})
+    res1 = train_dspark(one, log=logs.append)
+    assert sum("cached" in m for m in logs) == 3, logs  # training + held-out responses, held-out features
+    assert res1["meta"]["heldout_prompts"] == n_held1
+    assert res1["heldout"]["decode"]["tau"] == pytest.approx(dec["by_source"][str(tiny_prompts)])
+    assert main(["train", "dspark", "--eval-only", "--model", str(tiny_llama), "--out", str(tmp_path / "none"),
+                 "--prompts", str(tiny_prompts), "--cache-dir", str(cache_dir), "--no-progress"]) == 2
+    assert "error:" in capsys.readouterr().err

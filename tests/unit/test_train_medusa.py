@@ -80,6 +80,20 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     assert not {s["prompt"] for s in res["train_samples"]} & {s["prompt"] for s in res["heldout_samples"]}
     # greedy self-distillation: the base lm_head reproduces the next token
     assert res["heldout"]["base_top1"] > 0.99
+    # the chain hits behind the replay are the heads' top-1 hits; the replay is what decoding does
+    ev = res["heldout"]
+    assert ev["chain_hits"].shape == (tr["heldout_positions"], 4)
+    assert ev["chain_hits"].sum(0).tolist() == [round(a * n) for a, n in zip(ev["top1"], ev["n"])]
+    dec = ev["decode"]
+    assert tr["heldout_decode_tau"] == round(dec["tau"], 4) and "Greedy decoding, replayed" in readme
+    held = res["heldout_samples"]
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={"method": "medusa", "model": str(out)})
+    gen = llm.generate([{"prompt_token_ids": h["ids"][: h["prompt_len"]]} for h in held],
+                       SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert [list(g.outputs[0].token_ids) for g in gen] == [h["ids"][h["prompt_len"]:] for h in held]
+    m = llm.get_metrics()
+    assert m["num_verify_steps"] == dec["steps"], (m, dec)
+    assert m["mean_acceptance_length"] == pytest.approx(dec["tau"], abs=0.02)
 
     # the reloaded heads beat their zero init (the base model's next token) on the training data
     runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)

@@ -1,0 +1,92 @@
+"""The trainers' shared pieces: prompt sources (chitchat, the instruction prompts, files, several at
+once), per-source caching, and the greedy-decoding replay that turns teacher-forced hits into the tau
+that decoding sees."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from specserve.train.common import (by_source, decode_section, prompt_sources, replay_by_source,
+                                    replay_greedy_decoding, select_prompts)
+from specserve.train.data import DataError
+
+
+def test_replay_greedy_decoding_by_hand():
+    # sequence 1 (4 rows): row 0 accepts 2 -> next step at row 3, which accepts 3 -> done: 2 steps, 7 tokens
+    # sequence 2 (2 rows): row 0 accepts 0 -> row 1 accepts 3: 2 steps, 5 tokens
+    h = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0], [1, 1, 1]]).bool()
+    r = replay_greedy_decoding(h, [4, 2])
+    assert r["steps"] == 4 and r["tokens"] == 12 and r["tau"] == 3.0
+    assert r["acceptance"] == [0.75, 0.75, 0.5]
+    # a hit after a miss does not count: [1, 0, 1] accepts one draft
+    assert replay_greedy_decoding(torch.tensor([[1, 0, 1]]).bool(), [1])["tokens"] == 2
+    # the per-position mean of the same hits would say 1 + 0.5 + 0.33 + 0.33 = 2.17 for sequence 1's
+    # rows alone; the replay sees only the rows where steps start
+    assert replay_greedy_decoding(h[:4], [4])["tau"] == 3.5
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_replay_all_or_nothing(G):
+    lengths = [0, 5, 13, 1]
+    n = sum(lengths)
+    none = replay_greedy_decoding(torch.zeros(n, G, dtype=torch.bool), lengths)
+    assert none["tau"] == 1.0 and none["steps"] == n and none["acceptance"] == [0.0] * G
+    full = replay_greedy_decoding(torch.ones(n, G, dtype=torch.bool), lengths)
+    assert full["steps"] == sum(math.ceil(L / (G + 1)) for L in lengths)
+    assert full["acceptance"] == [1.0] * G
+    with pytest.raises(ValueError, match="rows"):
+        replay_greedy_decoding(torch.zeros(n + 1, G, dtype=torch.bool), lengths)
+
+
+def test_replay_by_source_splits_sequences_and_rows():
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 0, 9, 4]
+    h = torch.rand(sum(lengths), 3, generator=g) < 0.6
+    out = replay_by_source(h, lengths, [2, 3], ["a", "b"])
+    assert out["tau"] == replay_greedy_decoding(h, lengths)["tau"]
+    assert out["by_source"]["a"] == replay_greedy_decoding(h[:10], [7, 3])["tau"]
+    assert out["by_source"]["b"] == replay_greedy_decoding(h[10:], [0, 9, 4])["tau"]
+    assert "by_source" not in replay_by_source(h, lengths, [5], ["a"])
+    text = decode_section(out, "block")
+    assert f"{out['tau']:.3f}" in text and "a " in text and "By source" in text
+
+
+def test_prompt_sources_and_instruction_prompts(tmp_path):
+    from specserve.entrypoints.cli import DEMO_QUESTION
+    from specserve.train.instructions import all_instruction_prompts, load_instruction_prompts
+
+    assert prompt_sources(None) == ["chitchat"]
+    assert prompt_sources("chitchat,instructions") == ["chitchat", "instructions"]
+    assert prompt_sources(["chitchat", "x.txt"]) == ["chitchat", "x.txt"]
+    with pytest.raises(DataError, match="repeated"):
+        prompt_sources(["chitchat", "chitchat"])
+    allp = all_instruction_prompts()
+    assert len(allp) > 3000 and len(set(allp)) == len(allp)
+    assert DEMO_QUESTION not in allp and not any(re.search(r"\bsky\b", p) for p in allp)
+    train, held = load_instruction_prompts("train"), load_instruction_prompts("heldout")
+    assert not set(train) & set(held) and len(held) > 100 and len(train) + len(held) == len(allp)
+    assert load_instruction_prompts("train", 5, seed=1) == load_instruction_prompts("train", None, seed=1)[:5]
+    assert load_instruction_prompts("train", 5, seed=1) != load_instruction_prompts("train", 5, seed=2)
+    tr, he, desc = select_prompts("instructions", 10, 4, 0)
+    assert tr == train[:10] and he == held[:4] and "instruction" in desc
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(f"prompt {i}" for i in range(40)))
+    tr, he, desc = select_prompts(str(f), 100, 100, 0)
+    assert len(tr) + len(he) == 40 and str(f) in desc
+
+
+def test_by_source_keeps_each_source_apart():
+    calls = []
+
+    def fn(xs):
+        calls.append(list(xs))
+        return [x * 10 for x in xs]
+
+    assert by_source(fn, [1, 2, 3, 4, 5], [2, 0, 3]) == [10, 20, 30, 40, 50]
+    assert calls == [[1, 2], [], [3, 4, 5]]
+    with pytest.raises(ValueError, match="add up"):
+        by_source(fn, [1, 2], [3])
