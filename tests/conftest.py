@@ -92,6 +92,22 @@ def small_vocab_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("small_vocab") / "m", "llama", seed=3, vocab_size=16)
 
 
+def assert_replay_is_decoding(model_dir: Path, spec: dict, heldout_samples: list[dict], max_tokens: int,
+                              decode: dict) -> None:
+    """A trainer's greedy-decoding replay (``decode``) against the engine: greedy decoding with ``spec``
+    on the held-out prompts gives the self-distilled responses in as many verification steps, with the
+    same mean acceptance length up to the last step of each sequence."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="float32", speculative_config=spec)
+    gen = llm.generate([{"prompt_token_ids": h["ids"][: h["prompt_len"]]} for h in heldout_samples],
+                       SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    assert [list(g.outputs[0].token_ids) for g in gen] == [h["ids"][h["prompt_len"]:] for h in heldout_samples]
+    m = llm.get_metrics()
+    assert m["num_verify_steps"] == decode["steps"], (m, decode)
+    assert m["mean_acceptance_length"] == pytest.approx(decode["tau"], abs=0.02)
+
+
 def hf_model(path, dtype=torch.float32):
     import transformers
 

@@ -869,29 +869,16 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
                  "slot_weight": f"exp(-(k-1)/{args.loss_decay:g})"},
         "draft_parameters": n_params,
         "draft_vocab_size": cfg.draft_vocab_size,
-        "heldout_draft_vocab_coverage": round(vocab_cover, 5),
         "train_prompts": len(train_s),
-        "heldout_prompts": len(held_s),
         "train_response_tokens": n_resp,
         "train_blocks_per_epoch": tr["blocks"][0] if tr["blocks"] else 0,
-        "heldout_blocks": ev["blocks"][0],
         "steps": tr["steps"],
         "epoch_loss": r3(tr["epoch_loss"]),
         "epoch_train_acceptance": [r3(x) for x in tr["epoch_acceptance"]],
-        "heldout_loss": round(ev["loss"], 5),
         "heldout_loss_init": round(init_ev["loss"], 5),
-        "heldout_acceptance": r3(ev["acceptance"]),
-        "heldout_cumulative_acceptance": r3(ev["cumulative"]),
-        "heldout_tau": round(ev["tau"], 4),
-        "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
-        "heldout_greedy_tau": round(ev["greedy_tau"], 4),
         "heldout_tau_init": round(init_ev["tau"], 4),
         "heldout_greedy_tau_init": round(init_ev["greedy_tau"], 4),
-        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
-        "heldout_decode_acceptance": r3(ev["decode"]["acceptance"]),
-        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
-        "sts_ece_before": r3(sts["ece_before"]),
-        "sts_ece_after": r3(sts["ece_after"]),
+        **_heldout_meta(ev, sts, len(held_s), vocab_cover),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -907,6 +894,28 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     return {"out": str(out), "timings": timings, "heldout": _summary(ev), "heldout_init": _summary(init_ev),
             "sts": sts, "train": tr, "meta": meta, "config": cfg.to_dict(), "train_samples": train_s,
             "heldout_samples": held_s}
+
+
+def _heldout_meta(ev: dict, sts: dict, n_held: int, vocab_cover: float) -> dict:
+    """The held-out figures of a checkpoint's ``training`` record (after training, or ``--eval-only``)."""
+    r3 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
+    dec = ev["decode"]
+    return {
+        "heldout_prompts": n_held,
+        "heldout_blocks": ev["blocks"][0],
+        "heldout_draft_vocab_coverage": round(vocab_cover, 5),
+        "heldout_loss": round(ev["loss"], 5),
+        "heldout_acceptance": r3(ev["acceptance"]),
+        "heldout_cumulative_acceptance": r3(ev["cumulative"]),
+        "heldout_tau": round(ev["tau"], 4),
+        "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
+        "heldout_greedy_tau": round(ev["greedy_tau"], 4),
+        "heldout_decode_tau": round(dec["tau"], 4),
+        "heldout_decode_acceptance": r3(dec["acceptance"]),
+        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in dec.get("by_source", {}).items()},
+        "sts_ece_before": r3(sts["ece_before"]),
+        "sts_ece_after": r3(sts["ece_after"]),
+    }
 
 
 def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held, lm_w, lm_b, embed_w, ekw,
@@ -926,22 +935,8 @@ def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held,
     if "command" not in meta:
         raise DataError(f"{args.out}/config.json has no 'training' record: --eval-only rewrites the held-out "
                         "figures of a drafter trained by this command")
-    r3 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
     meta.update({
-        "heldout_prompts": len(held_s),
-        "heldout_blocks": ev["blocks"][0],
-        "heldout_draft_vocab_coverage": round(vocab_cover, 5),
-        "heldout_loss": round(ev["loss"], 5),
-        "heldout_acceptance": r3(ev["acceptance"]),
-        "heldout_cumulative_acceptance": r3(ev["cumulative"]),
-        "heldout_tau": round(ev["tau"], 4),
-        "heldout_greedy_acceptance": r3(ev["greedy_acceptance"]),
-        "heldout_greedy_tau": round(ev["greedy_tau"], 4),
-        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
-        "heldout_decode_acceptance": r3(ev["decode"]["acceptance"]),
-        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
-        "sts_ece_before": r3(sts["ece_before"]),
-        "sts_ece_after": r3(sts["ece_after"]),
+        **_heldout_meta(ev, sts, len(held_s), vocab_cover),
         "heldout_evaluated_by": {"command": command or "specserve.train.dspark.train_dspark(" + repr(asdict(args))
                                  + ")", "eval_s": round(timings["eval_s"], 1),
                                  "total_s": round(timings["total_s"], 1)},

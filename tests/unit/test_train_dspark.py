@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_replay_is_decoding
 
 from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate, default_target_layer_ids,
                                     drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights)
@@ -273,17 +274,8 @@ def test_train_dspark_two_sources_then_eval_only(tiny_llama, tiny_prompts, cache
     readme = (out / "README.md").read_text()
     assert "Greedy decoding, replayed" in readme and "By source" in readme
     # the replay is what decoding does: the engine, greedy with full verification, on the held-out prompts
-    from specserve import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-        "method": "dspark", "model": str(out), "dspark_verify": "full"})
-    held = res["heldout_samples"]
-    gen = llm.generate([{"prompt_token_ids": h["ids"][: h["prompt_len"]]} for h in held],
-                       SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    assert [list(g.outputs[0].token_ids) for g in gen] == [h["ids"][h["prompt_len"]:] for h in held]
-    m = llm.get_metrics()
-    assert m["num_verify_steps"] == dec["steps"], (m, dec)
-    assert m["mean_acceptance_length"] == pytest.approx(dec["tau"], abs=0.02)
+    assert_replay_is_decoding(tiny_llama, {"method": "dspark", "model": str(out), "dspark_verify": "full"},
+                              res["heldout_samples"], 16, dec)
 
     weights = (out / "model.safetensors").read_bytes()
     before = json.loads((out / "config.json").read_text())

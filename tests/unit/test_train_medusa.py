@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_replay_is_decoding
 
 from specserve import LLM, SamplingParams
 from specserve.train.data import is_heldout, read_prompts_file, split_prompts
@@ -86,14 +87,7 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     assert ev["chain_hits"].sum(0).tolist() == [round(a * n) for a, n in zip(ev["top1"], ev["n"])]
     dec = ev["decode"]
     assert tr["heldout_decode_tau"] == round(dec["tau"], 4) and "Greedy decoding, replayed" in readme
-    held = res["heldout_samples"]
-    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={"method": "medusa", "model": str(out)})
-    gen = llm.generate([{"prompt_token_ids": h["ids"][: h["prompt_len"]]} for h in held],
-                       SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    assert [list(g.outputs[0].token_ids) for g in gen] == [h["ids"][h["prompt_len"]:] for h in held]
-    m = llm.get_metrics()
-    assert m["num_verify_steps"] == dec["steps"], (m, dec)
-    assert m["mean_acceptance_length"] == pytest.approx(dec["tau"], abs=0.02)
+    assert_replay_is_decoding(tiny_llama, {"method": "medusa", "model": str(out)}, res["heldout_samples"], 24, dec)
 
     # the reloaded heads beat their zero init (the base model's next token) on the training data
     runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
