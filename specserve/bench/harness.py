@@ -46,6 +46,7 @@ import torch
 
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 HELDOUT = "chitchat-heldout"  # --prompts value: the held-out split of the drafters' training prompts
+INSTRUCTIONS_HELDOUT = "instructions-heldout"  # the held-out split of the instruction prompts (train/instructions.py)
 WARMUP_TOKENS = 4
 
 
@@ -61,6 +62,10 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
         from specserve.train.data import load_prompts as load_chitchat
 
         return load_chitchat("heldout")
+    if str(path) == INSTRUCTIONS_HELDOUT:  # the instruction prompts they never saw
+        from specserve.train.instructions import load_instruction_prompts
+
+        return load_instruction_prompts("heldout")
     from specserve.train.data import DataError, read_prompts_file
 
     try:

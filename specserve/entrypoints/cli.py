@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "medusa-tree-N: the shipped Medusa heads with a fixed tree of N nodes")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
-                        "'chitchat-heldout' (the held-out split of the drafters' training prompts; default: the "
-                        "built-in set)")
+                        "'chitchat-heldout' / 'instructions-heldout' (the held-out splits of the drafters' "
+                        "training prompts, chat turns / instructions; default: the built-in set)")
     b.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default all)")
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")

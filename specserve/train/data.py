@@ -14,9 +14,12 @@ early turn is long enough the conversation's topic question (``"prompt"``) is us
 early turn. The chat template of the target is applied later, by ``self_distill``.
 
 Held-out split: a conversation is held out when ``sha256(conversation_id)`` falls in the first
-``HELDOUT_FRACTION`` (10%) of the hash range. The split depends on nothing else (not on ``seed`` or
-``n``), so training never sees a benchmark prompt. ``seed`` only orders each split before the first
-``n`` are taken.
+``HELDOUT_FRACTION`` (10%) of the hash range. Many conversations open with the same question ("What if
+unicorns were real?"), so a held-out conversation whose prompt text is also the prompt of a training
+conversation is dropped from the held-out split: a held-out prompt is never a training prompt, not even
+word for word (greedy self-distillation would make it the very same training sequence). The split depends
+on nothing else (not on ``seed`` or ``n``), so training never sees a benchmark prompt. ``seed`` only
+orders each split before the first ``n`` are taken.
 
 ``read_prompts_file`` reads a user's file instead: JSONL with a "prompt" field per line, or plain text
 with one prompt per line; ``split_prompts`` splits such a list with the same hash rule (on the text).
@@ -108,13 +111,17 @@ def load_prompt_records(split: str = "train", n: int | None = None, seed: int = 
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     convs = load_conversations()
     want_heldout = split == "heldout"
-    recs = []
+    recs, train_texts = [], set()
     for cid in sorted(convs):
-        if is_heldout(cid) != want_heldout:
-            continue
         p = conversation_prompt(convs[cid])
-        if p:
+        if not p:
+            continue
+        if not is_heldout(cid):
+            train_texts.add(p)
+        if is_heldout(cid) == want_heldout:
             recs.append((cid, p))
+    if want_heldout:  # never a training prompt's text
+        recs = [(cid, p) for cid, p in recs if p not in train_texts]
     random.Random(seed).shuffle(recs)
     return recs if n is None else recs[:n]
 

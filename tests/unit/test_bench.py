@@ -60,3 +60,16 @@ def test_bench_interleaves_methods_prompt_by_prompt():
     assert sorted(closed) == sorted(names)
     for n in names:
         assert isinstance(got[n], MethodResult) and got[n].outputs == alone[n].outputs == [[len(n), i] for i in range(4)]
+
+
+def test_bench_heldout_prompt_sets():
+    """The bench's held-out prompt sets are the trainers' held-out splits, disjoint from what they train on."""
+    from specserve.bench.harness import load_prompts
+    from specserve.train.data import load_prompts as load_chitchat
+    from specserve.train.instructions import load_instruction_prompts
+
+    chat = load_prompts("chitchat-heldout")
+    assert chat == load_chitchat("heldout") and not set(chat) & set(load_chitchat("train"))
+    instr = load_prompts("instructions-heldout")
+    assert instr == load_instruction_prompts("heldout") and len(instr) >= 20
+    assert not set(instr) & set(load_instruction_prompts("train"))
