@@ -177,6 +177,10 @@ def _add_train_medusa_parser(tsub) -> None:
     m.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
     m.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of the steps (default 0.1)")
     m.add_argument("--batch-size", type=_positive_int, default=256, help="positions per step (default 256)")
+    m.add_argument("--eval-only", action="store_true",
+                   help="train nothing: evaluate the heads already at --out on the held-out prompts of the data "
+                        "options and rewrite the held-out figures of their config.json and README.md (the heads' "
+                        "own config decides their shape; their weights are not touched)")
     _add_train_data_args(m)
     m.set_defaults(func=cmd_train_medusa)
 
@@ -373,20 +377,23 @@ def cmd_train_medusa(args) -> int:
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size,
         gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress,
-        draft_vocab_size=args.draft_vocab_size)
+        draft_vocab_size=args.draft_vocab_size, eval_only=args.eval_only)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_medusa(targs, command=command)
-    ev, zero, tm = res["heldout"], res["heldout_zero_init"], res["timings"]
-    print(f"wrote Medusa heads ({res['config']['num_heads']} heads x {res['config']['num_layers']} layer(s)) "
-          f"to {res['out']} (config.json, medusa.safetensors, README.md)")
+    ev, tm = res["heldout"], res["timings"]
+    zero = res["meta"].get("heldout_zero_init_top1")  # eval-only: from the training record, if any
+    what = "evaluated" if targs.eval_only else "wrote"
+    print(f"{what} Medusa heads ({res['config']['num_heads']} heads x {res['config']['num_layers']} layer(s)) "
+          f"{'at' if targs.eval_only else 'to'} {res['out']} (config.json, "
+          f"{'' if targs.eval_only else 'medusa.safetensors, '}README.md)")
     print(f"time: {tm['total_s']:.0f} s (" + ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in tm.items()
                                                     if k != "total_s") + ")")
     print(f"held-out accuracy on {res['meta']['heldout_prompts']} prompts ({res['meta']['heldout_positions']} "
           f"positions); head k predicts token t+k+2:")
     for k in range(len(ev["top1"])):
-        print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}  (zero init top-1 "
-              f"{zero['top1'][k]:.3f})")
+        print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}"
+              + (f"  (zero init top-1 {zero[k]:.3f})" if zero else ""))
     dec = ev["decode"]
     print(f"greedy decoding with {len(ev['top1'])}-token chains, replayed: tau {dec['tau']:.3f} ("
           + " ".join(f"{x:.2f}" for x in dec["acceptance"]) + ")"

@@ -35,9 +35,6 @@ CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversa
 INSTRUCTIONS_DESC = "specserve's instruction prompts (specserve.train.instructions: templates x topics)"
 
 
-BUILTIN_SOURCES = ("chitchat", "instructions")
-
-
 def prompt_sources(spec) -> list[str]:
     """The training prompt sources: None -> ``["chitchat"]``; a string or a list of strings, each
     "chitchat", "instructions" (``specserve.train.instructions``) or a prompts file (comma lists allowed)."""
@@ -292,3 +289,13 @@ the previous step ended and accepts its leading correct drafts plus the target's
 greedy decoding with full verification does (`specserve bench` at temperature 0). The per-position means
 above weigh every position alike, while decoding starts most of its steps at the positions that follow a
 rejected draft, where drafting is hardest: they overstate the acceptance that decoding sees."""
+
+
+def evaluated_by(meta: dict) -> str:
+    """The README line naming the ``--eval-only`` command that recomputed a checkpoint's held-out figures."""
+    e = meta.get("heldout_evaluated_by")
+    if not e:
+        return ""
+    return (f"\nThe held-out figures on this page were recomputed after training, on the weights as saved, by "
+            f"`{e['command']}` ({e['total_s']:.0f} s; the responses and features came from the cache when it "
+            "held them).\n")

@@ -68,8 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import (adamw_cosine, by_source, decode_section, float32_runner, keep_num_threads,
-                                    prompt_sources, replay_by_source, replay_greedy_decoding, select_draft_vocab,
+from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
+                                    keep_num_threads, prompt_sources, replay_by_source, replay_greedy_decoding, select_draft_vocab,
                                     start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
@@ -952,15 +952,6 @@ def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held,
             "config": cfg.to_dict(), "heldout_samples": held_s}
 
 
-def _evaluated_by(meta: dict) -> str:
-    e = meta.get("heldout_evaluated_by")
-    if not e:
-        return ""
-    return (f"\nThe held-out figures on this page were recomputed after training, on the weights as saved, by "
-            f"`{e['command']}` ({e['total_s']:.0f} s; the responses and features came from the cache when it "
-            "held them).\n")
-
-
 def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     G = cfg.block_size
     rows = "\n".join(
@@ -1038,7 +1029,7 @@ blocks with the weights as saved (bfloat16), teacher-forced (the Markov head and
 **tau estimate** (expected tokens per verification step, bonus included, = 1 + sum of the cumulative
 products): {ev['tau']:.3f} (rejection sampling at temperature 1), {ev['greedy_tau']:.3f} (greedy);
 {meta['heldout_tau_init']:.3f}{f" / {meta['heldout_greedy_tau_init']:.3f}" if 'heldout_greedy_tau_init' in meta else ''} at init.
-{_evaluated_by(meta)}
+{evaluated_by(meta)}
 {decode_section(ev["decode"], "block")}
 
 ## Use

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 import time
@@ -35,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, decode_section, float32_runner, keep_num_threads,
-                                    prompt_sources, replay_by_source, select_draft_vocab, start_run)
+from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
+                                    keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 
 IGNORE = -100
@@ -70,6 +71,7 @@ class MedusaTrainArgs:
     chat: bool = True  # apply the target's chat template to the prompts
     progress: bool = True  # tqdm bars
     draft_vocab_size: int = 0  # 0: the whole vocabulary; else a token_map of the most frequent response tokens
+    eval_only: bool = False  # evaluate the heads already at ``out`` (no training); rewrite their README
 
     def validate(self) -> None:
         for name in ("num_heads", "num_prompts", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
@@ -337,29 +339,42 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     runner, kept = float32_runner(llm, args.gen_dtype)
     model = runner.model
     hidden = lambda s: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
-    hid_train = by_source(hidden, train_s, run.train_sizes)
+    hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(model)
     cfg_t = runner.config
     if kept:
         llm.shutdown()
     del llm, run, runner, model
-    H, Y = build_examples(hid_train, train_s, args.num_heads)
-    Hh, Yh = build_examples(hid_held, held_s, args.num_heads)
-    del hid_train, hid_held
     V = cfg_t.vocab_size
-    vocab_ids, coverage = None, 1.0
-    if 0 < args.draft_vocab_size < V:  # logits over the draft vocabulary: its lm_head rows, labels remapped
+    vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
+    if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
+        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+
+        mcfg, sd = load_medusa_checkpoint(args.out, cfg_t.hidden_size, V)
+        heads = MedusaHeads(mcfg, dtype=torch.float32)
+        heads.load_state(sd)
+        num_heads = mcfg.num_heads
+        if heads.token_map is not None:
+            vocab_ids = heads.token_map.clone()
+    elif 0 < args.draft_vocab_size < V:
         vocab_ids = select_draft_vocab(train_s, V, args.draft_vocab_size)
+    H, Y = build_examples(hid_train, train_s, num_heads) if hid_train else (None, None)
+    Hh, Yh = build_examples(hid_held, held_s, num_heads)
+    del hid_train, hid_held
+    if vocab_ids is not None:  # logits over the draft vocabulary: its lm_head rows, labels remapped
         to_draft = torch.full((V,), OUTSIDE, dtype=torch.long)
         to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
-        Y, Yh = (torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)]) for y in (Y, Yh))
+        Y, Yh = (None if y is None else torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)]) for y in (Y, Yh))
         lm_w, lm_b = lm_w[vocab_ids], None if lm_b is None else lm_b[vocab_ids]
         yh = Yh[:, 1][Yh[:, 1] != IGNORE]
         coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
         log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
             f"{100 * coverage:.2f}% of the held-out labels")
     timings["hidden_states_s"] = time.perf_counter() - t
+    if args.eval_only:
+        return _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_sizes, sources, coverage,
+                               t_start, timings)
     n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
     log(f"{len(train_s)} training sequences ({n_resp} response tokens) -> {len(H)} positions; "
         f"{len(held_s)} held-out sequences -> {len(Hh)} positions")
@@ -394,10 +409,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
 
     t = time.perf_counter()
     round_to_bf16_(heads)
-    ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
-    lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, held_s)]
-    ev["decode"] = replay_by_source(ev["chain_hits"], lengths, held_sizes, sources)
-    log(f"held-out greedy decoding with {mcfg.num_heads}-token chains, replayed: tau {ev['decode']['tau']:.3f}")
+    ev = _evaluate(heads, Hh, Yh, lm_w, lm_b, args.batch_size, held_s, held_sizes, sources, log)
     timings["eval_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
 
@@ -418,23 +430,14 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "head_loss_decay": args.head_decay,
         "batch_size_positions": args.batch_size,
         "train_prompts": len(train_s),
-        "heldout_prompts": len(held_s),
         "train_positions": len(H),
-        "heldout_positions": len(Hh),
         "train_response_tokens": n_resp,
         "draft_vocab_size": None if vocab_ids is None else vocab_ids.numel(),
-        "heldout_draft_vocab_coverage": round(coverage, 5),
         "steps": tr["steps"],
         "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
-        "heldout_top1": [round(x, 5) for x in ev["top1"]],
-        "heldout_top5": [round(x, 5) for x in ev["top5"]],
-        "heldout_loss": [round(x, 5) for x in ev["loss"]],
-        "heldout_base_top1": round(ev["base_top1"], 5),
         "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
         "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
-        "heldout_decode_tau": round(ev["decode"]["tau"], 4),
-        "heldout_decode_acceptance": [round(x, 5) for x in ev["decode"]["acceptance"]],
-        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in ev["decode"].get("by_source", {}).items()},
+        **_heldout_meta(ev, len(held_s), len(Hh), coverage),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -446,6 +449,62 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
     return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
             "meta": meta, "config": asdict(mcfg), "train_samples": train_s, "heldout_samples": held_s}
+
+
+def _evaluate(heads, Hh, Yh, lm_w, lm_b, batch_size, held_s, held_sizes, sources, log) -> dict:
+    """``evaluate_heads`` on the held-out examples plus ``decode``: greedy decoding with chains of the
+    heads' top-1, replayed (``replay_by_source``)."""
+    ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, batch_size)
+    lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, held_s)]
+    ev["decode"] = replay_by_source(ev["chain_hits"], lengths, held_sizes, sources)
+    log(f"held-out greedy decoding with {heads.cfg.num_heads}-token chains, replayed: tau {ev['decode']['tau']:.3f}")
+    return ev
+
+
+def _heldout_meta(ev: dict, n_held: int, n_positions: int, coverage: float) -> dict:
+    """The held-out figures of the heads' ``training`` record (after training, or ``--eval-only``)."""
+    r5 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
+    dec = ev["decode"]
+    return {
+        "heldout_prompts": n_held,
+        "heldout_positions": n_positions,
+        "heldout_draft_vocab_coverage": round(coverage, 5),
+        "heldout_top1": r5(ev["top1"]),
+        "heldout_top5": r5(ev["top5"]),
+        "heldout_loss": r5(ev["loss"]),
+        "heldout_base_top1": round(ev["base_top1"], 5),
+        "heldout_decode_tau": round(dec["tau"], 4),
+        "heldout_decode_acceptance": r5(dec["acceptance"]),
+        "heldout_decode_tau_by_source": {k: round(v, 4) for k, v in dec.get("by_source", {}).items()},
+    }
+
+
+def _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_sizes, sources, coverage,
+                    t_start, timings) -> dict:
+    """``--eval-only``: the held-out evaluation of the heads already at ``args.out``, written back into
+    their ``config.json`` (``training``'s held-out figures, ``heldout_topk_accuracy``, which the engine's
+    ``medusa_tree: "auto"`` reads) and ``README.md``; the weights are not touched."""
+    t = time.perf_counter()
+    ev = _evaluate(heads, Hh, Yh, lm_w, lm_b, args.batch_size, held_s, held_sizes, sources, log)
+    timings["eval_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+    out = Path(args.out)
+    raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    meta = dict(raw.get("training") or {})
+    if "command" not in meta:
+        raise DataError(f"{out}/config.json has no 'training' record: --eval-only rewrites the held-out figures "
+                        "of heads trained by this command")
+    meta.update(_heldout_meta(ev, len(held_s), len(Hh), coverage))
+    meta["heldout_evaluated_by"] = {
+        "command": command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")",
+        "eval_s": round(timings["eval_s"], 1), "total_s": round(timings["total_s"], 1)}
+    raw.update({"heldout_topk_accuracy": ev["topk"], "training": meta})
+    (out / "config.json").write_text(json.dumps(raw, indent=2), encoding="utf-8")
+    zero = {"top1": meta.get("heldout_zero_init_top1") or [float("nan")] * heads.cfg.num_heads}  # README: "nan"
+    (out / "README.md").write_text(_readme(out, heads.cfg, meta, ev, zero), encoding="utf-8")
+    log(f"rewrote the held-out figures of {out} (config.json, README.md)")
+    return {"out": str(out), "timings": timings, "heldout": ev, "meta": meta, "config": asdict(heads.cfg),
+            "heldout_samples": held_s}
 
 
 def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
@@ -493,7 +552,7 @@ text's next token at {ev['base_top1']:.3f} of positions (1.0 up to numerics for 
 | head | predicts | top-1 | top-5 | top-1 at zero init | positions |
 |---|---|---|---|---|---|
 {rows}
-
+{evaluated_by(meta)}
 {decode_section(ev["decode"], f"chain of {K} (each head's top-1)")}
 
 ## Use

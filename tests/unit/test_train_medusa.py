@@ -186,3 +186,34 @@ def test_chitchat_split_is_deterministic_and_disjoint():
     assert all(len(p.split()) >= 1 for _, p in held)
     with pytest.raises(ValueError):
         load_prompts("test")
+
+
+def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """``--eval-only`` recomputes the held-out figures of trained heads (the same as after training,
+    on the same data) without touching the weights; the head count comes from the checkpoint."""
+    from specserve.entrypoints.cli import main
+    from specserve.train.medusa import MedusaTrainArgs, train_medusa
+
+    out = tmp_path / "heads"
+    args = MedusaTrainArgs(out=str(out), model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40,
+                           max_tokens=24, epochs=2, lr=1e-2, batch_size=64, num_heads=3, draft_vocab_size=100,
+                           seed=0, threads=1, cache_dir=str(cache_dir), progress=False)
+    train_medusa(args, log=lambda m: None)
+    weights = (out / "medusa.safetensors").read_bytes()
+    before = json.loads((out / "config.json").read_text())
+    argv = ["train", "medusa", "--eval-only", "--model", str(tiny_llama), "--out", str(out), "--prompts",
+            str(tiny_prompts), "--num-prompts", "40", "--max-tokens", "24", "--threads", "1", "--cache-dir",
+            str(cache_dir), "--no-progress"]  # --num-heads and --draft-vocab-size: from the checkpoint
+    assert main(argv) == 0
+    assert "evaluated Medusa heads (3 heads" in capsys.readouterr().out
+    after = json.loads((out / "config.json").read_text())
+    assert (out / "medusa.safetensors").read_bytes() == weights
+    for k in ("heldout_top1", "heldout_top5", "heldout_decode_tau", "heldout_positions", "epoch_loss", "command"):
+        assert after["training"][k] == before["training"][k], k
+    assert after["heldout_topk_accuracy"] == before["heldout_topk_accuracy"]
+    assert after["training"]["heldout_evaluated_by"]["command"] == "specserve " + " ".join(argv)
+    readme = (out / "README.md").read_text()
+    assert "recomputed after training" in readme and "Greedy decoding, replayed" in readme
+    assert main(["train", "medusa", "--eval-only", "--model", str(tiny_llama), "--out", str(tmp_path / "none"),
+                 "--prompts", str(tiny_prompts), "--cache-dir", str(cache_dir), "--no-progress"]) == 2
+    assert "does not exist" in capsys.readouterr().err
