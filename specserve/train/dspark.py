@@ -69,8 +69,8 @@ import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
-                                    keep_num_threads, prompt_sources, replay_by_source, replay_greedy_decoding, select_draft_vocab,
-                                    start_run)
+                                    keep_num_threads, prompt_sources, replay_by_source, replay_greedy_decoding,
+                                    select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
