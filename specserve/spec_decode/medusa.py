@@ -153,6 +153,9 @@ class MedusaProposer(Proposer):
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the checkpoint's {cfg.num_heads} Medusa heads")
         self.num_speculative_tokens = k
         self.accuracy = self._head_accuracy()
+        temps = self._checkpoint_meta().get("head_temperatures") or []
+        self.head_temperatures = torch.tensor(  # calibration of the heads' probabilities (1: none recorded)
+            [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)])
         self.tree = self._build_tree(target)
         if self.verify_mode == "auto":
             max_seqs = getattr(target, "max_num_seqs", 1)
@@ -167,12 +170,13 @@ class MedusaProposer(Proposer):
             log.info("Medusa auto verify: target cost %s ms",
                      {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
 
+    def _checkpoint_meta(self) -> dict:
+        f = self.model_path / "config.json"
+        return json.loads(f.read_text()) if self.model_path.is_dir() and f.exists() else {}
+
     def _head_accuracy(self) -> list[list[float]]:
         """P(rank r of head h is right) from the checkpoint's recorded top-k accuracies, else a prior."""
-        meta = {}
-        if (self.model_path / "config.json").exists():
-            meta = json.loads((self.model_path / "config.json").read_text())
-        topk_acc = meta.get("heldout_topk_accuracy")  # [K][k]: cumulative top-(r+1) accuracy
+        topk_acc = self._checkpoint_meta().get("heldout_topk_accuracy")  # [K][k]: cumulative top-(r+1) accuracy
         if topk_acc and len(topk_acc) >= self.cfg.num_heads:
             out = []
             for h in range(self.cfg.num_heads):
@@ -238,12 +242,14 @@ class MedusaProposer(Proposer):
             valid[i, : len(p)] = True
         return {"paths": paths, "ranks": ranks, "valid": valid, "depth": valid.sum(1)}
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, seqs) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """[B, k, V'] head logits -> the heads' probabilities at each request's temperature (1 for
-        greedy requests)."""
+        greedy requests), each head's logits also divided by its calibration temperature
+        (``head_temperatures`` in the checkpoint's config.json, fitted on held-out data by
+        ``specserve train medusa``; 1 when absent). They only decide what to verify."""
         t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs])
-        return torch.softmax(logits.float() / t.view(-1, 1, 1), dim=-1)
+        t = t.view(-1, 1, 1) * self.head_temperatures[: logits.shape[1]].view(1, -1, 1)
+        return torch.softmax(logits.float() / t, dim=-1)
 
     def path_scores(self, top_probs: torch.Tensor, max_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 import time
@@ -245,6 +246,30 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     }
 
 
+CALIBRATION_GRID = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
+
+
+@torch.no_grad()
+def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None,
+                          batch_size: int = 256, max_positions: int = 4096,
+                          grid: torch.Tensor = CALIBRATION_GRID) -> list[float]:
+    """Temperature scaling of each head: the T_k of ``grid`` that minimises the negative log-likelihood
+    of the head's labels under softmax(logits / T_k) on (the first ``max_positions`` of) the held-out
+    examples (labels outside the draft vocabulary left out). Heads trained to overfit are overconfident
+    (T_k > 1); the engine divides by T_k before the cost model reads the heads' probabilities."""
+    K = heads.cfg.num_heads
+    n = min(len(H), max_positions)
+    nll = torch.zeros(K, len(grid), dtype=torch.float64)
+    for a in range(0, n, batch_size):
+        z = head_logits(heads, H[a : min(a + batch_size, n)], lm_w, lm_b)  # [B, K, V]
+        y = labels[a : min(a + batch_size, n), 1:]
+        ok = y >= 0
+        for g, T in enumerate(grid.tolist()):
+            lp = (z / T).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            nll[:, g] -= (lp * ok).sum(0).double()
+    return [round(float(grid[i]), 4) for i in nll.argmin(1)]
+
+
 # ---- training -----------------------------------------------------------------------------------------
 def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs: int = 2, lr: float = 1e-3,
                 batch_size: int = 256, warmup: float = 0.1, weight_decay: float = 0.0, head_decay: float = 0.8,
@@ -443,8 +468,9 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     }
-    heads.save(out, dtype=torch.bfloat16,
-               extra_config={"heldout_topk_accuracy": ev["topk"], "training": meta})
+    heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
+                                                         "head_temperatures": ev["head_temperatures"],
+                                                         "training": meta})
     (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
     log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
     return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
@@ -455,6 +481,8 @@ def _evaluate(heads, Hh, Yh, lm_w, lm_b, batch_size, held_s, held_sizes, sources
     """``evaluate_heads`` on the held-out examples plus ``decode``: greedy decoding with chains of the
     heads' top-1, replayed (``replay_by_source``)."""
     ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, batch_size)
+    ev["head_temperatures"] = fit_head_temperatures(heads, Hh, Yh, lm_w, lm_b, batch_size)
+    log("held-out calibration temperature per head: " + " ".join(f"{t:.2f}" for t in ev["head_temperatures"]))
     lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, held_s)]
     ev["decode"] = replay_by_source(ev["chain_hits"], lengths, held_sizes, sources)
     log(f"held-out greedy decoding with {heads.cfg.num_heads}-token chains, replayed: tau {ev['decode']['tau']:.3f}")
@@ -498,7 +526,8 @@ def _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_
     meta["heldout_evaluated_by"] = {
         "command": command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")",
         "eval_s": round(timings["eval_s"], 1), "total_s": round(timings["total_s"], 1)}
-    raw.update({"heldout_topk_accuracy": ev["topk"], "training": meta})
+    raw.update({"heldout_topk_accuracy": ev["topk"], "head_temperatures": ev["head_temperatures"],
+                "training": meta})
     (out / "config.json").write_text(json.dumps(raw, indent=2), encoding="utf-8")
     zero = {"top1": meta.get("heldout_zero_init_top1") or [float("nan")] * heads.cfg.num_heads}  # README: "nan"
     (out / "README.md").write_text(_readme(out, heads.cfg, meta, ev, zero), encoding="utf-8")
@@ -552,6 +581,11 @@ text's next token at {ev['base_top1']:.3f} of positions (1.0 up to numerics for 
 | head | predicts | top-1 | top-5 | top-1 at zero init | positions |
 |---|---|---|---|---|---|
 {rows}
+
+Calibration: per-head temperatures {', '.join(f'{t:.2f}' for t in ev['head_temperatures'])} (`head_temperatures` in
+`config.json`; each head's logits divided by its T_k give the lowest held-out NLL). The engine applies them
+to the probabilities that `medusa_verify: "auto"` reads to choose what to verify; drafting and verification
+do not use them.
 {evaluated_by(meta)}
 {decode_section(ev["decode"], f"chain of {K} (each head's top-1)")}
 

@@ -211,9 +211,41 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
     for k in ("heldout_top1", "heldout_top5", "heldout_decode_tau", "heldout_positions", "epoch_loss", "command"):
         assert after["training"][k] == before["training"][k], k
     assert after["heldout_topk_accuracy"] == before["heldout_topk_accuracy"]
+    temps = after["head_temperatures"]
+    assert temps == before["head_temperatures"] and len(temps) == 3 and all(t > 0 for t in temps)
+    # the engine reads them (they shape only what medusa_verify "auto" decides to verify)
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
+        "method": "medusa", "model": str(out), "medusa_verify": "auto"})
+    prop = llm.engine.proposer
+    assert prop.head_temperatures.tolist() == pytest.approx(temps)
+    z = torch.randn(2, 3, 100)
+    seqs = [type("S", (), {"params": SamplingParams(temperature=0)})(),
+            type("S", (), {"params": SamplingParams(temperature=0.5)})()]
+    want = torch.softmax(z / (torch.tensor([1.0, 0.5]).view(-1, 1, 1) * torch.tensor(temps).view(1, -1, 1)), -1)
+    assert torch.allclose(prop._probs(z, seqs), want)
     assert after["training"]["heldout_evaluated_by"]["command"] == "specserve " + " ".join(argv)
     readme = (out / "README.md").read_text()
     assert "recomputed after training" in readme and "Greedy decoding, replayed" in readme
     assert main(["train", "medusa", "--eval-only", "--model", str(tiny_llama), "--out", str(tmp_path / "none"),
                  "--prompts", str(tiny_prompts), "--cache-dir", str(cache_dir), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("true_t", [0.5, 2.0])
+def test_fit_head_temperatures_recovers_the_sampling_temperature(true_t):
+    """Labels drawn from softmax(z / T) for a head whose logits are z: temperature scaling finds T."""
+    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+    from specserve.train.medusa import fit_head_temperatures
+
+    g = torch.Generator().manual_seed(0)
+    V, d, n = 40, 16, 4096
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=d, vocab_size=V, shared_lm_head=True,
+                                     bias=True))  # zero-initialised blocks: each head's state is h itself
+    lm_w = torch.randn(V, d, generator=g)
+    H = torch.randn(n, d, generator=g)
+    z = H @ lm_w.T
+    y = torch.multinomial(torch.softmax(z / true_t, -1), 1, generator=g).squeeze(1)
+    labels = torch.stack([y, y, y], dim=1)  # column 0: the base head's label (unused)
+    labels[:100, 2] = IGNORE  # ignored labels do not count
+    temps = fit_head_temperatures(heads, H, labels, lm_w, None)
+    assert len(temps) == 2 and all(0.8 * true_t < t < 1.25 * true_t for t in temps), temps
