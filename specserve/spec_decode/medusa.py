@@ -152,8 +152,9 @@ class MedusaProposer(Proposer):
         if k > cfg.num_heads:
             raise ValueError(f"num_speculative_tokens ({k}) exceeds the checkpoint's {cfg.num_heads} Medusa heads")
         self.num_speculative_tokens = k
-        self.accuracy = self._head_accuracy()
-        temps = self._checkpoint_meta().get("head_temperatures") or []
+        meta = self._checkpoint_meta()
+        self.accuracy = self._head_accuracy(meta)
+        temps = meta.get("head_temperatures") or []
         self.head_temperatures = torch.tensor(  # calibration of the heads' probabilities (1: none recorded)
             [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)])
         self.tree = self._build_tree(target)
@@ -174,9 +175,10 @@ class MedusaProposer(Proposer):
         f = self.model_path / "config.json"
         return json.loads(f.read_text()) if self.model_path.is_dir() and f.exists() else {}
 
-    def _head_accuracy(self) -> list[list[float]]:
-        """P(rank r of head h is right) from the checkpoint's recorded top-k accuracies, else a prior."""
-        topk_acc = self._checkpoint_meta().get("heldout_topk_accuracy")  # [K][k]: cumulative top-(r+1) accuracy
+    def _head_accuracy(self, meta: dict) -> list[list[float]]:
+        """P(rank r of head h is right) from the checkpoint's recorded top-k accuracies (``meta``: its
+        config.json), else a prior."""
+        topk_acc = meta.get("heldout_topk_accuracy")  # [K][k]: cumulative top-(r+1) accuracy
         if topk_acc and len(topk_acc) >= self.cfg.num_heads:
             out = []
             for h in range(self.cfg.num_heads):

@@ -69,8 +69,8 @@ import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
-                                    keep_num_threads, prompt_sources, replay_by_source, replay_greedy_decoding,
-                                    select_draft_vocab, start_run)
+                                    keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab,
+                                    start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
@@ -542,12 +542,13 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
 @torch.no_grad()
 def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
                      loss_decay: float = 4.0, loss_w=(0.1, 0.9, 1.0), anchors_per_item: int = 32,
-                     batch_size: int = 4, progress: bool = False) -> dict:
+                     batch_size: int = 4, progress: bool = False, sources: tuple[list[int], list[str]] | None = None
+                     ) -> dict:
     """Every anchor of every sequence (deterministic). Returns per-block arrays [nb, G] ``cstar``,
     ``conf_logit``, ``hit`` (float, NaN where the slot has no label), ``valid``; the mean ``loss``;
     the summaries of ``acceptance_summary``; ``lengths`` (blocks per sequence, in order) and
-    ``decode``: greedy decoding with full verification replayed on the hits
-    (``replay_greedy_decoding``)."""
+    ``decode``: greedy decoding with full verification replayed on the hits (``replay_by_source``;
+    ``sources``: (sequences per source, source names), for its ``by_source``)."""
     drafter.eval()
     items = []
     for i, s in enumerate(samples):
@@ -586,7 +587,8 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
     res["loss"] = loss_sum / max(w_sum, 1e-9)
     res.update(acceptance_summary(res["cstar"], res["hit"], res["valid"]))
     res["lengths"] = [max(0, hi - lo) for lo, hi in map(anchor_range, samples)]  # rows per sequence
-    res["decode"] = replay_greedy_decoding(torch.nan_to_num(res["hit"]) > 0.5, res["lengths"])
+    sizes, names = sources or ([len(samples)], ["all"])
+    res["decode"] = replay_by_source(torch.nan_to_num(res["hit"]) > 0.5, res["lengths"], sizes, names)
     return res
 
 
@@ -813,11 +815,12 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     n_params = sum(p.numel() for p in drafter.parameters())
     G = cfg.block_size
     loss_w = (args.ce_weight, args.tv_weight, args.conf_weight)
-    ekw = dict(gamma=G, mask_token_id=mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress)
+    ekw = dict(gamma=G, mask_token_id=mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress,
+               sources=(held_sizes, sources))
 
     if saved:
         return _evaluate_saved(args, command, log, drafter, cfg, saved[2], held_s, f_held, lm_w, lm_b, embed_w, ekw,
-                               held_sizes, sources, vocab_cover, t_start, timings)
+                               vocab_cover, t_start, timings)
     t = time.perf_counter()
     init_ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
     timings["eval_init_s"] = time.perf_counter() - t
@@ -836,7 +839,6 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     round_to_bf16_(drafter)
     ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
     sts = fit_sts(ev["conf_logit"], ev["cstar"], ev["valid"])
-    ev["decode"] = replay_by_source(torch.nan_to_num(ev["hit"]) > 0.5, ev["lengths"], held_sizes, sources)
     timings["eval_s"] = time.perf_counter() - t
     log(f"held-out: loss {ev['loss']:.4f}, acceptance estimate per slot "
         + " ".join(f"{x:.3f}" for x in ev["acceptance"]) + f", tau estimate {ev['tau']:.3f} "
@@ -919,14 +921,13 @@ def _heldout_meta(ev: dict, sts: dict, n_held: int, vocab_cover: float) -> dict:
 
 
 def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held, lm_w, lm_b, embed_w, ekw,
-                    held_sizes, sources, vocab_cover, t_start, timings) -> dict:
+                    vocab_cover, t_start, timings) -> dict:
     """``--eval-only``: the held-out evaluation and calibration of the drafter already at ``args.out``,
     written back into its ``config.json`` (``training``'s held-out figures, ``confidence_temperatures``)
     and ``README.md``; its weights are not touched. The training figures stay those of its training."""
     t = time.perf_counter()
     ev = evaluate_drafter(drafter, held_s, f_held, lm_w, lm_b, embed_w, **ekw)
     sts = fit_sts(ev["conf_logit"], ev["cstar"], ev["valid"])
-    ev["decode"] = replay_by_source(torch.nan_to_num(ev["hit"]) > 0.5, ev["lengths"], held_sizes, sources)
     timings["eval_s"] = time.perf_counter() - t
     log(f"held-out: loss {ev['loss']:.4f}, tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}; greedy "
         f"decoding replayed {ev['decode']['tau']:.3f})")
