@@ -28,8 +28,9 @@ Self-distillation
 -----------------
 ``self_distill(llm, prompts, max_tokens, temperature, batch_size)`` lets the target write the responses
 (through its chat template) and returns ``[{"prompt", "ids", "prompt_len"}]`` with ``ids`` = prompt ids +
-response ids. Results are cached (``torch.save``) under a key of every argument that changes them, so a
-rerun skips generation.
+response ids. Results are cached (``torch.save``) under a key of every argument that changes them, in
+chunks of ``CACHE_CHUNK`` prompts (``cached_chunks``), so a rerun skips generation and a run with more
+prompts of the same source generates only the ones past those already cached.
 """
 
 from __future__ import annotations
@@ -205,18 +206,25 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
     ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
     ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching). ``temperature`` 0 is greedy; otherwise
     request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
-    ``~/.cache/specserve/train``) under a key of the model, prompts and every argument; pass
-    ``cache_dir=False`` to disable the cache."""
+    ``~/.cache/specserve/train``) under a key of the model, prompts and every argument, in chunks of
+    ``CACHE_CHUNK`` prompts (``cached_chunks``); pass ``cache_dir=False`` to disable the cache."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     tok = llm.tokenizer
     ids = [prompt_token_ids(tok, p, chat) for p in prompts]
     engine = llm.engine
     dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
-    key = {"v": 1, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "ids": ids,
-           "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed}
-    return cached_torch(cache_dir, "distill", key, lambda: _generate(llm, prompts, ids, max_tokens, temperature,
-                                                                      batch_size, seed, log), log, "self-distillation")
+    base = {"v": 2, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "max_tokens": max_tokens,
+            "temperature": float(temperature)}
+
+    def key(start, part):  # greedy responses do not depend on the seed
+        return {**base, "ids": part, "seed": seed + start if temperature > 0 else None}
+
+    def compute(start, part):
+        return _generate(llm, prompts[start : start + len(part)], part, max_tokens, temperature, batch_size,
+                         seed + start, log)
+
+    return [x for c in cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation") for x in c]
 
 
 def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log) -> list[dict]:
@@ -266,6 +274,24 @@ def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object],
         torch.save(data, tmp)
         tmp.replace(f)
     return data
+
+
+CACHE_CHUNK = 400  # items (prompts, sequences) per cache entry of ``cached_chunks``
+
+
+def cached_chunks(cache_dir, prefix: str, items: list, key: Callable[[int, list], object],
+                  compute: Callable[[int, list], object], log=None, what: str = "data",
+                  chunk: int = CACHE_CHUNK) -> list:
+    """``compute(start, items[start:start + chunk])`` for each consecutive chunk of ``items``, each
+    through its own ``cached_torch`` entry keyed by ``key(start, chunk items)``: the list of the chunks'
+    results. A longer list that begins with the items of an earlier call reuses that call's entries
+    (its first chunks are the same), so adding prompts to a source computes only the new ones."""
+    out = []
+    for start in range(0, len(items), chunk):
+        part = items[start : start + chunk]
+        out.append(cached_torch(cache_dir, prefix, key(start, part), lambda s=start, p=part: compute(s, p), log,
+                                f"{what} (items {start}..{start + len(part) - 1})"))
+    return out
 
 
 def stderr_log(msg: str) -> None:

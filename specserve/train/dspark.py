@@ -71,7 +71,7 @@ from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
                                     keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab,
                                     start_run)
-from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
+from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
 IGNORE = -100
@@ -233,19 +233,20 @@ def compute_target_features(model, samples: list[dict], layer_ids, max_batch_tok
 
 
 def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=None, progress=False):
-    """``compute_target_features`` through a disk cache keyed by the model, sequences and layers."""
-    key = {"v": 1, "kind": "dspark-features", "model": _model_fingerprint(Path(model_dir)),
-           "layers": sorted(layer_ids), "ids": [s["ids"] for s in samples]}
+    """``compute_target_features`` through a disk cache keyed by the model, sequences and layers, in
+    chunks of sequences (``cached_chunks``)."""
+    base = {"v": 2, "kind": "dspark-features", "model": _model_fingerprint(Path(model_dir)),
+            "layers": sorted(layer_ids)}
 
-    def compute():
-        fs = compute_target_features(model, samples, layer_ids, progress=progress)
+    def compute(start, part):
+        fs = compute_target_features(model, samples[start : start + len(part)], layer_ids, progress=progress)
         return {"aux": torch.cat([a for a, _ in fs]) if fs else torch.zeros(0),
                 "final": torch.cat([h for _, h in fs]) if fs else torch.zeros(0),
                 "lengths": [len(h) for _, h in fs]}
 
-    d = cached_torch(cache_dir, "dspark-features", key, compute, log,
-                     what=f"target features ({len(samples)} sequences)")
-    return list(zip(torch.split(d["aux"], d["lengths"]), torch.split(d["final"], d["lengths"])))
+    chunks = cached_chunks(cache_dir, "dspark-features", [s["ids"] for s in samples],
+                           lambda start, part: {**base, "ids": part}, compute, log, "target features")
+    return [x for d in chunks for x in zip(torch.split(d["aux"], d["lengths"]), torch.split(d["final"], d["lengths"]))]
 
 
 # ---- the drafter ----------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
                                     keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab, start_run)
-from specserve.train.data import DataError, _model_fingerprint, cached_torch, stderr_log
+from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 
 IGNORE = -100
 OUTSIDE = -1  # a label outside the draft vocabulary: a miss in the accuracy, no loss
@@ -134,15 +134,17 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
 
 
 def cached_hidden_states(model, model_dir, samples, cache_dir, log=None, progress=False) -> list[torch.Tensor]:
-    """``compute_hidden_states`` through a disk cache keyed by the model and the sequences."""
-    key = {"v": 1, "model": _model_fingerprint(Path(model_dir)), "ids": [s["ids"] for s in samples]}
+    """``compute_hidden_states`` through a disk cache keyed by the model and the sequences, in chunks of
+    sequences (``cached_chunks``)."""
+    base = {"v": 2, "model": _model_fingerprint(Path(model_dir))}
 
-    def compute():
-        hs = compute_hidden_states(model, samples, progress=progress)
+    def compute(start, part):
+        hs = compute_hidden_states(model, samples[start : start + len(part)], progress=progress)
         return {"flat": torch.cat(hs) if hs else torch.zeros(0), "lengths": [len(h) for h in hs]}
 
-    d = cached_torch(cache_dir, "hidden", key, compute, log, "hidden states")
-    return list(torch.split(d["flat"], d["lengths"]))
+    chunks = cached_chunks(cache_dir, "hidden", [s["ids"] for s in samples], lambda start, part: {**base, "ids": part},
+                           compute, log, "hidden states")
+    return [h for d in chunks for h in torch.split(d["flat"], d["lengths"])]
 
 
 # ---- examples -----------------------------------------------------------------------------------------
