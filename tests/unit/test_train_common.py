@@ -12,7 +12,7 @@ import torch
 
 from specserve.train.common import (by_source, decode_section, prompt_sources, replay_by_source,
                                     replay_greedy_decoding, select_prompts)
-from specserve.train.data import DataError
+from specserve.train.data import DataError, cached_chunks
 
 
 def test_replay_greedy_decoding_by_hand():
@@ -90,3 +90,30 @@ def test_by_source_keeps_each_source_apart():
     assert calls == [[1, 2], [], [3, 4, 5]]
     with pytest.raises(ValueError, match="add up"):
         by_source(fn, [1, 2], [3])
+
+
+def test_cached_chunks_reuses_the_first_chunks_of_a_longer_list(tmp_path):
+    """Adding items to a list computes only the chunks that changed; the results are the same as computing
+    everything at once, and a corrupt entry is recomputed."""
+    calls = []
+
+    def compute(start, part):
+        calls.append((start, list(part)))
+        return [x * 10 + start for x in part]  # depends on the offset too, as seeded generation does
+
+    key = lambda start, part: {"ids": part, "start": start}  # noqa: E731
+    flat = lambda chunks: [x for c in chunks for x in c]  # noqa: E731
+    items = [1, 2, 3, 4, 5]
+    first = flat(cached_chunks(tmp_path, "t", items, key, compute, chunk=2))
+    assert first == [10, 20, 32, 42, 54] and [s for s, _ in calls] == [0, 2, 4]
+    calls.clear()
+    longer = flat(cached_chunks(tmp_path, "t", items + [6, 7], key, compute, chunk=2))
+    assert [s for s, _ in calls] == [4, 6]  # [0:2] and [2:4] came from the cache; [4:6] is a new chunk
+    assert longer == first[:4] + [54, 64, 76]
+    calls.clear()
+    assert flat(cached_chunks(tmp_path, "t", items, key, compute, chunk=2)) == first and not calls
+    for f in tmp_path.glob("t-*.pt"):
+        f.write_bytes(b"not a torch file")
+    assert flat(cached_chunks(tmp_path, "t", items[:2], key, compute, chunk=2)) == first[:2] and len(calls) == 1
+    calls.clear()
+    assert flat(cached_chunks(False, "t", items, key, compute, chunk=2)) == first and len(calls) == 3
