@@ -290,16 +290,28 @@ def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, sampl
                chunk: int = 2048) -> list[torch.Tensor]:
     """log-sum-exp over the whole target vocabulary of the target's logits at the response positions of
     every sequence ([T] per sequence, 0 before ``prompt_len``; from its final hidden states): with it,
-    a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head."""
-    out = []
+    a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head. The
+    positions of all sequences go through the lm_head in blocks of exactly ``chunk`` rows (the last one
+    padded): a GEMM of a new shape can leave a new copy of the weight behind in oneDNN's cache."""
+    spans = []
+    for (_, fin), smp in zip(feats, samples):
+        lo = min(int(smp["prompt_len"]), fin.shape[0])
+        spans.append((lo, fin.shape[0]))
+    rows = torch.cat([fin[lo:hi].float() for (_, fin), (lo, hi) in zip(feats, spans)]) if feats else torch.zeros(0)
+    flat = torch.zeros(rows.shape[0])
     with torch.no_grad():
-        for (_, fin), smp in zip(feats, samples):
-            lse = torch.zeros(fin.shape[0])
-            lo = min(int(smp["prompt_len"]), fin.shape[0])
-            for a in range(lo, fin.shape[0], chunk):
-                b = min(a + chunk, fin.shape[0])
-                lse[a:b] = torch.logsumexp(F.linear(fin[a:b].float(), lm_w, lm_b).float(), dim=-1)
-            out.append(lse)
+        for a in range(0, rows.shape[0], chunk):
+            x = rows[a : a + chunk]
+            n = x.shape[0]
+            if n < chunk:
+                x = torch.cat([x, x.new_zeros(chunk - n, x.shape[1])])
+            flat[a : a + n] = torch.logsumexp(F.linear(x, lm_w, lm_b).float(), dim=-1)[:n]
+    out, i = [], 0
+    for (_, fin), (lo, hi) in zip(feats, spans):
+        lse = torch.zeros(fin.shape[0])
+        lse[lo:hi] = flat[i : i + hi - lo]
+        i += hi - lo
+        out.append(lse)
     return out
 
 

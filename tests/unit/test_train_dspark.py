@@ -13,7 +13,8 @@ import torch
 from conftest import assert_replay_is_decoding
 
 from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate, default_target_layer_ids,
-                                    drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights)
+                                    drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights,
+                                    target_lse)
 
 PROMPTS = ["w5 w17 w99 w3", "w200 w1 w2", "w42 w42 w7 w8 w9"]
 
@@ -303,3 +304,18 @@ def test_train_dspark_two_sources_then_eval_only(tiny_llama, tiny_prompts, cache
     assert main(["train", "dspark", "--eval-only", "--model", str(tiny_llama), "--out", str(tmp_path / "none"),
                  "--prompts", str(tiny_prompts), "--cache-dir", str(cache_dir), "--no-progress"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_target_lse_matches_each_sequences_own_logsumexp():
+    """The log-sum-exp over the full vocabulary at every response position, computed in fixed-size blocks
+    across sequences, equals each sequence's own; prompt positions stay 0."""
+    torch.manual_seed(0)
+    V, d = 50, 8
+    lm_w, lm_b = torch.randn(V, d), torch.randn(V)
+    samples = [{"ids": list(range(n)), "prompt_len": p} for n, p in ((5, 2), (9, 4), (3, 3), (7, 1))]
+    feats = [(None, torch.randn(len(s["ids"]), d)) for s in samples]
+    got = target_lse(lm_w, lm_b, feats, samples, chunk=4)  # blocks straddle sequences; the last is padded
+    for (_, fin), s, lse in zip(feats, samples, got):
+        p = s["prompt_len"]
+        assert lse.shape == (len(s["ids"]),) and torch.all(lse[:p] == 0)
+        torch.testing.assert_close(lse[p:], torch.logsumexp(fin[p:] @ lm_w.T + lm_b, dim=-1))
