@@ -294,6 +294,9 @@ METHODS: dict[str, Callable[[], object]] = {
     "dspark-prob": lambda: SpecserveMethod("dspark-prob", {"method": "dspark",
                                                            "draft_sample_method": "probabilistic"}),
     "dspark-sharded": lambda: SpecserveMethod("dspark-sharded", {"method": "dspark", "markov_replicate": False}),
+    # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth
+    "dspark-tree": lambda: SpecserveMethod("dspark-tree", {"method": "dspark", "dspark_tree": "auto"}),
+    "dflash-tree": lambda: SpecserveMethod("dflash-tree", {"method": "dflash", "dspark_tree": "auto"}),
 }
 
 
@@ -301,17 +304,19 @@ def register_method(name: str, factory: Callable[[], object]) -> None:
     METHODS[name] = factory
 
 
-SIZED_TREE = re.compile(r"medusa-tree-([1-9][0-9]*)")  # e.g. medusa-tree-64: a tree of 64 nodes, fixed
+SIZED_TREE = re.compile(r"(medusa|dspark|dflash)-tree-([1-9][0-9]*)")  # e.g. medusa-tree-64: 64 nodes, fixed
+TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspark_tree"}
 
 
 def method_factory(name: str) -> Callable[[], object] | None:
-    """The runner factory of a method name: one of ``METHODS``, or ``medusa-tree-N`` (the shipped heads
-    with the best tree of N nodes, whatever verifying N tokens costs here)."""
+    """The runner factory of a method name: one of ``METHODS``, or ``{medusa,dspark,dflash}-tree-N``
+    (the shipped drafter with trees of N nodes, whatever verifying N tokens costs here)."""
     if name in METHODS:
         return METHODS[name]
     m = SIZED_TREE.fullmatch(name)
     if m:
-        return lambda: SpecserveMethod(name, {"method": "medusa", "medusa_tree": int(m.group(1))})
+        method = m.group(1)
+        return lambda: SpecserveMethod(name, {"method": method, TREE_OPTION[method]: int(m.group(2))})
     return None
 
 
@@ -322,7 +327,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
     unknown = [m for m in names if method_factory(m) is None]
     if unknown:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
-                         "medusa-tree-N (a tree of N nodes)")
+                         "{medusa,dspark,dflash}-tree-N (trees of N nodes)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")

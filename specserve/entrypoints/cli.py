@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each")
     b.add_argument("--methods", default="none,hf",
                    help="comma list of methods (default none,hf); 'none' (the baseline) always runs; "
-                        "medusa-tree-N: the shipped Medusa heads with a fixed tree of N nodes")
+                        "medusa-tree-N / dspark-tree-N / dflash-tree-N: the shipped drafter with trees of N "
+                        "nodes")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
                         "'chitchat-heldout' / 'instructions-heldout' (the held-out splits of the drafters' "

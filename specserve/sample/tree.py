@@ -19,13 +19,15 @@ Verification picks the accepted root->node path and one extra token to emit:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
 from specserve.sample.sampler import SamplingBatch, filtered_logits
 
-__all__ = ["TreeBuffers", "verify_tree_greedy", "verify_tree_sample", "tree_tokens_from_candidates"]
+__all__ = ["TreeBuffers", "TreeCache", "verify_tree_greedy", "verify_tree_sample", "tree_tokens_from_candidates"]
 
 
 @dataclass
@@ -142,6 +144,28 @@ class TreeBuffers:
         tb.rank_paths = [list(p) for p in norm]
         tb.topk = topk
         return tb
+
+
+class TreeCache:
+    """The ``TreeBuffers`` of the trees dynamic drafting builds, kept by a key (a shape recurs step after
+    step); the ``size`` most recently used are kept."""
+
+    def __init__(self, build: Callable[[Hashable], TreeBuffers], size: int = 4096):
+        self.build, self.size = build, size
+        self._trees: OrderedDict = OrderedDict()
+
+    def get(self, key: Hashable) -> TreeBuffers:
+        buf = self._trees.get(key)
+        if buf is None:
+            buf = self._trees[key] = self.build(key)
+            if len(self._trees) > self.size:
+                self._trees.popitem(last=False)
+        else:
+            self._trees.move_to_end(key)
+        return buf
+
+    def __len__(self) -> int:
+        return len(self._trees)
 
 
 def tree_tokens_from_candidates(root_token: int | torch.Tensor, head_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:

@@ -45,6 +45,16 @@ def profile_sizes(max_batch: int, num_drafts: int) -> tuple[list[int], list[int]
     return batch_sizes, sorted(capped)
 
 
+TREE_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # node counts whose verification a tree mode measures
+
+
+def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[int]]:
+    """``profile_sizes`` for trees of up to ``max_nodes`` drafted nodes, plus every single-tree size of
+    ``TREE_SIZES`` below it (the cost curve bends most where one tree's size is chosen)."""
+    batch_sizes, sizes = profile_sizes(max_batch, max_nodes)
+    return batch_sizes, sorted(set(sizes) | {m + 1 for m in TREE_SIZES if m < max_nodes})
+
+
 def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
     (median of ``reps``), measured on the running device in slot 0 before any request runs."""

@@ -16,8 +16,18 @@ sampling), ``dspark_verify``:
   is chosen to maximise expected accepted tokens per second from the survival products of its
   confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``).
 
+``dspark_tree`` (default None: a chain) drafts a tree instead, verified with tree attention
+(``specserve.sample.tree``): the block forward gives each depth its base logits once, and every
+branch gets the Markov bias of its own previous token (``dspark_model.draft_trees``): depth 1 holds
+the ``dspark_tree_topk`` (default 4) best tokens, each further depth the ``dspark_tree_topk`` children
+of the ``dspark_tree_beam`` (default 4) best nodes of the depth before. Each node is scored by the
+estimated probability that its whole path is accepted (calibrated confidences for greedy requests,
+draft probabilities at the request's temperature otherwise) and each request verifies its best
+nodes (always a subtree): ``dspark_tree`` an int verifies that many, ``"auto"`` as many as the cost
+model finds worth it (up to ``TREE_MAX_NODES``), per request and step.
+
 The cut depends on the drafter's confidences only, never on whether drafts will be accepted, so every
-mode is lossless, at any temperature. ``markov_replicate`` (default True) keeps the Markov head whole on
+mode is lossless, at any temperature (trees: greedy and exact tree sampling verification). ``markov_replicate`` (default True) keeps the Markov head whole on
 every tensor-parallel rank (no collective per draft position); False shards it (for comparison).
 
 A batch drafts in one block forward: the sequences' contexts are padded and masked, the base logits are
@@ -36,14 +46,17 @@ from pathlib import Path
 
 import torch
 
-from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes
-from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs
+from specserve.sample.tree import TreeBuffers, TreeCache
+from specserve.spec_decode.cost_model import (choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
+                                              tree_profile_sizes)
+from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 log = logging.getLogger("specserve.dspark")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 VERIFY_MODES = ("full", "threshold", "auto")
 PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
+TREE_MAX_NODES = 64  # dspark_tree="auto": the most nodes one request's tree may verify
 
 
 def _generator(state):
@@ -107,6 +120,16 @@ class DSparkDraftWorker:
         return blk, [None if g is None else g.get_state() for g in gens]
 
     @torch.inference_mode()
+    def propose_tree(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, topk: int = 4,
+                     beam: int = 4, confidence_temperatures=None):
+        """Candidate draft trees, one per sequence, from one block forward (``DraftTree`` on the driver,
+        None elsewhere)."""
+        tree = self.drafter.propose_tree_batch(anchors, starts, [self.caches[i] for i in seq_ids], self.embed,
+                                               self.logits_fn, temperatures, num_drafts, topk, beam,
+                                               confidence_temperatures)
+        return tree if self.tp.is_driver else None
+
+    @torch.inference_mode()
     def draft_step_collectives(self, batch: int = 2, context: int = 8) -> dict[str, int]:
         """The collectives this rank runs in one drafting step of ``batch`` placeholder sequences."""
         d = self.cfg.hidden_size * self.cfg.num_aux_layers
@@ -128,9 +151,11 @@ class DSparkDraftWorker:
         return {"markov_w1": tuple(mk.markov_w1.weight.shape), "markov_w2": tuple(mk.markov_w2.weight.shape)}
 
     @torch.inference_mode()
-    def time_drafting(self, batch_sizes, context: int = PROFILE_CONTEXT, reps: int = 3) -> dict[int, float]:
+    def time_drafting(self, batch_sizes, context: int = PROFILE_CONTEXT, reps: int = 3,
+                      tree: tuple[int, int] | None = None) -> dict[int, float]:
         """Seconds of one drafting step for each batch size (median of ``reps``), over placeholder
-        contexts of ``context`` positions (warm-up included)."""
+        contexts of ``context`` positions (warm-up included); ``tree``: (topk, beam) times tree
+        drafting instead of a chain."""
         d = self.cfg.hidden_size * self.cfg.num_aux_layers
         out = {}
         for B in batch_sizes:
@@ -140,7 +165,10 @@ class DSparkDraftWorker:
             ts = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
-                self.propose(ids, [0] * B, [context] * B, self.cfg.num_drafts)
+                if tree is None:
+                    self.propose(ids, [0] * B, [context] * B, self.cfg.num_drafts)
+                else:
+                    self.propose_tree(ids, [0] * B, [context] * B, self.cfg.num_drafts, None, *tree)
                 ts.append(time.perf_counter() - t0)
             for i in ids:
                 self.forget(i)
@@ -154,7 +182,8 @@ class DSparkProposer(Proposer):
 
     def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
-                 confidence_threshold: float = 0.5, markov_replicate: bool = True):
+                 confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
+                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
@@ -166,6 +195,22 @@ class DSparkProposer(Proposer):
             raise ValueError(f"dspark_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {dspark_verify!r}")
         if not 0.0 <= float(confidence_threshold) <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+        if dspark_tree is not None:
+            if dspark_tree != "auto" and (isinstance(dspark_tree, bool) or not isinstance(dspark_tree, int)
+                                          or dspark_tree < 1):
+                raise ValueError(f"dspark_tree must be None, 'auto' or a node count >= 1, got {dspark_tree!r}")
+            if draft_sample_method != "greedy":
+                raise ValueError("dspark_tree drafts the top tokens of each node: use draft_sample_method='greedy' "
+                                 "(tree verification is lossless at any temperature)")
+            if dspark_verify != "full":
+                raise ValueError("dspark_tree chooses the verified nodes itself ('auto' or a size): leave "
+                                 f"dspark_verify at 'full', got {dspark_verify!r}")
+        for name, v in (("dspark_tree_topk", dspark_tree_topk), ("dspark_tree_beam", dspark_tree_beam)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                raise ValueError(f"{name} must be an int in 1..64, got {v!r}")
+        self.tree_size = dspark_tree
+        self.tree_topk, self.tree_beam = dspark_tree_topk, dspark_tree_beam
+        self._trees = TreeCache(lambda parents: TreeBuffers.from_parents([-1, *parents]))
         self.model_path = Path(model)
         self.requested_k = num_speculative_tokens
         self.sample_method = draft_sample_method
@@ -194,20 +239,26 @@ class DSparkProposer(Proposer):
         conf = json.loads((self.model_path / "config.json").read_text()) if self.model_path.is_dir() else {}
         self.conf_temps = conf.get("confidence_temperatures")  # STS calibration, one per position
         self.vocab_size = target.config.vocab_size
-        if self.verify_mode == "auto":
+        if self.verify_mode == "auto" or self.tree_size == "auto":
             self._profile(target)
 
     def _profile(self, target) -> None:
-        """The cost tables of the "auto" mode, measured on the running device."""
-        batch_sizes, sizes = profile_sizes(getattr(target, "max_num_seqs", 1), self.num_speculative_tokens)
+        """The cost tables of the "auto" modes, measured on the running device."""
+        max_seqs = getattr(target, "max_num_seqs", 1)
+        if self.tree_size == "auto":
+            batch_sizes, sizes = tree_profile_sizes(max_seqs, TREE_MAX_NODES)
+            tree = (self.tree_topk, self.tree_beam)
+        else:
+            (batch_sizes, sizes), tree = profile_sizes(max_seqs, self.num_speculative_tokens), None
         self.verify_costs = measure_step_costs(target, sizes)
-        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes)
+        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree)
         log.info("DSpark auto: verify cost %s ms, draft cost %s ms",
                  {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()},
                  {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
 
     def dummy_run(self, batch_size: int = 1) -> None:
-        self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1)
+        tree = None if self.tree_size is None else (self.tree_topk, self.tree_beam)
+        self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1, tree)
 
     def observe(self, seq, last_hidden, aux, reset) -> None:
         feats = torch.cat(aux, dim=-1)
@@ -225,6 +276,8 @@ class DSparkProposer(Proposer):
         chains: list[list[int]] = [[] for _ in seqs]
         if not rows:
             return Proposal(chains)
+        if self.tree_size is not None:
+            return self._propose_trees(seqs, rows, budget)
         probabilistic = self.sample_method == "probabilistic"
         temps, states = [], []
         for b in rows:
@@ -263,6 +316,38 @@ class DSparkProposer(Proposer):
                 if temps[r] is not None and L:
                     draft_probs[b, :L] = blk.probs[r, :L].float()
         return Proposal(chains, draft_probs)
+
+    def _propose_trees(self, seqs, rows: list[int], budget: list[int]) -> Proposal:
+        """Each request's best candidate nodes as a tree: a fixed number (``dspark_tree`` an int) or as
+        many as the cost model finds worth verifying (``"auto"``)."""
+        temps = [None if seqs[b].params.greedy else float(seqs[b].params.temperature) for b in rows]
+        t0 = time.perf_counter()
+        cand = self.target.call_helper(
+            self.name, "propose_tree", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
+            [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, self.tree_topk,
+            self.tree_beam, self.conf_temps)
+        draft_s = time.perf_counter() - t0
+        too_deep = cand.depth.view(1, -1) > torch.tensor([budget[b] for b in rows]).view(-1, 1)
+        scores = torch.where(too_deep, torch.full_like(cand.scores, -1.0), cand.scores)
+        # a node never scores above its parent, which comes first: every prefix of this order is a subtree
+        ranked, order = scores.sort(dim=1, descending=True, stable=True)
+        valid = [[x for x in row if x >= 0.0] for row in ranked.tolist()]
+        if self.tree_size == "auto":
+            counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],
+                                           lambda n: interp_cost(self.verify_costs, n),
+                                           self._draft_cost(len(rows), draft_s))
+        else:
+            counts = [min(self.tree_size, len(v)) for v in valid]
+        trees: list[TreeDraft | None] = [None] * len(seqs)
+        tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
+        for r, b in enumerate(rows):
+            if counts[r] == 0:
+                continue
+            chosen = sorted(order[r, : counts[r]].tolist())  # candidate order: parents before children
+            node = {c: i + 1 for i, c in enumerate(chosen)}
+            shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
+            trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
+        return Proposal([[] for _ in seqs], trees=trees)
 
     def _draft_cost(self, batch: int, measured: float) -> float:
         """This step's drafting time: the start-up table (less noisy than one measurement) when it has

@@ -62,8 +62,10 @@ __all__ = [
     "MarkovHead",
     "ConfidenceHead",
     "DraftBlock",
+    "DraftTree",
     "draft_block",
     "draft_blocks",
+    "draft_trees",
     "expected_state_shapes",
     "d2t_from_t2d",
 ]
@@ -411,14 +413,11 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
     sampled = [b for b in range(B) if temps[b] is not None and temps[b] >= 1e-5]
     if confidence_head is not None and confidence_head.with_markov and markov is None:
         raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
-    to_target = None
     if d2t is not None and d2t.dtype == torch.bool:  # a t2d mask
         target_vocab_size = target_vocab_size or d2t.numel()
-        d2t = d2t_from_t2d(d2t)
-    if d2t is not None:
-        to_target = torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
-        if sampled and target_vocab_size is None:
-            raise ValueError("a pruned draft vocabulary needs target_vocab_size to map q to the target vocabulary")
+    to_target = _target_ids(d2t, device)
+    if to_target is not None and sampled and target_vocab_size is None:
+        raise ValueError("a pruned draft vocabulary needs target_vocab_size to map q to the target vocabulary")
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B)
     if g == 0:
         return DraftBlock(torch.zeros(B, 0, dtype=torch.long, device=device),
@@ -456,6 +455,106 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
             q = full
         out_probs = q
     return DraftBlock(torch.stack(tokens, dim=1), out_probs, torch.stack(confs, dim=1) if confs else None)
+
+
+def _target_ids(d2t: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The target id of every draft id [V_draft] from ``d2t`` offsets or a bool ``t2d`` mask (None: the
+    draft vocabulary is the target's)."""
+    if d2t is None:
+        return None
+    if d2t.dtype == torch.bool:
+        d2t = d2t_from_t2d(d2t)
+    return torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
+
+
+class DraftTree(NamedTuple):
+    """Candidate nodes of a batch of draft trees (``draft_trees``); each row's root, its anchor, is not
+    a candidate. tokens [B, C] target ids; parents [B, C] long: -1 for a child of the root, else the
+    parent's candidate index, always smaller than the node's own (candidates come depth by depth);
+    depth [C] long (1 = a child of the root; the same layout for every row); scores [B, C] float32:
+    the estimated probability that the whole path root -> node is accepted (never above the
+    parent's)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    scores: torch.Tensor
+
+
+@torch.no_grad()
+def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchors,
+                markov: MarkovHead | None = None, *, topk: int = 4, beam: int = 4, temperatures=None,
+                confidence_head: ConfidenceHead | None = None, confidence_temperatures=None,
+                d2t: torch.Tensor | None = None, num_drafts: int | None = None) -> DraftTree:
+    """Candidate draft trees from the draft slots of a batch of blocks, expanded best first.
+
+    The block forward gives every depth k its base logits ``U_k`` once; a node's children come from
+    ``U_k + B_k(x)``, the Markov bias of the node's OWN token x (and, for the rnn head, the state
+    along its own path), so every branch is drafted as if it were the chain. Depth 1 holds the
+    ``topk`` children of the root; each further depth holds the ``topk`` children of each of the
+    ``beam`` best-scoring nodes of the depth before.
+
+    A node's score is the product along its path of the probability that each step is accepted given
+    its parent was: for a greedy row (temperature None or < 1e-5) with a confidence head, the
+    (calibrated, ``confidence_temperatures`` one per depth) confidence ``c`` for the rank-0 child and
+    ``(1 - c) * q_r / (1 - q_0)`` for rank r > 0 (the rest of the mass, shared as the draft
+    distribution shares it); otherwise the draft probability ``q`` at the row's temperature (1 for
+    greedy rows), the chance that the target's own draw is that token. The scores only choose which
+    candidates are verified; verification is exact.
+    """
+    B = hidden.shape[0]
+    g = hidden.shape[1] if num_drafts is None else max(0, min(int(num_drafts), hidden.shape[1]))
+    hidden = hidden[:, :g]
+    device = hidden.device
+    if confidence_head is not None and confidence_head.with_markov and markov is None:
+        raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
+    if topk < 1 or beam < 1:
+        raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
+    temps = [None] * B if temperatures is None else list(temperatures)
+    greedy = torch.tensor([t is None or t < 1e-5 for t in temps], device=device).view(B, 1, 1)
+    scale = torch.tensor([1.0 if t is None or t < 1e-5 else float(t) for t in temps], device=device).view(B, 1, 1)
+    ctemps = list(confidence_temperatures or [])
+    to_target = _target_ids(d2t, device)
+    prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B, 1)
+    fscore = torch.ones(B, 1, device=device)
+    fidx = torch.full((B, 1), -1, dtype=torch.long, device=device)
+    base = base_logits_fn(hidden).float() if g else None  # [B, g, V_draft]
+    state, toks, pars, scores, depth, offset = None, [], [], [], [], 0
+    for k in range(g):
+        W, V = prev.shape[1], base.shape[-1]
+        kk = min(topk, V)
+        h = hidden[:, k : k + 1].expand(B, W, hidden.shape[-1]).reshape(B * W, -1)
+        logits = base[:, k : k + 1].expand(B, W, V)
+        emb = None
+        if markov is not None:
+            bias, state, emb = markov.step(prev.reshape(-1), h, state)
+            logits = logits + bias.float().view(B, W, V)
+        top_q, top_i = torch.softmax(logits / scale, dim=-1).topk(kk, dim=-1)  # [B, W, kk]
+        factor = top_q
+        if confidence_head is not None:
+            c = confidence_head(h, emb).float().view(B, W, 1)
+            if k < len(ctemps) and float(ctemps[k]) > 0:
+                c = torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / float(ctemps[k]))
+            rest = (1.0 - c) * top_q[..., 1:] / (1.0 - top_q[..., :1]).clamp_min(1e-6)
+            factor = torch.where(greedy, torch.cat([c, rest.clamp(max=1.0)], dim=-1), top_q)
+        child = (fscore.unsqueeze(-1) * factor).reshape(B, W * kk)
+        tok = top_i.reshape(B, W * kk)
+        tok = to_target[tok] if to_target is not None else tok
+        toks.append(tok)
+        pars.append(fidx.unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk))
+        scores.append(child)
+        depth.append(torch.full((W * kk,), k + 1, dtype=torch.long, device=device))
+        if k + 1 < g:  # the next depth expands this depth's best nodes
+            fscore, j = child.topk(min(beam, W * kk), dim=-1)
+            prev, fidx = tok.gather(1, j), offset + j
+            if state is not None:  # rnn: a child continues its parent's state
+                state = state.view(B, W, -1).gather(1, (j // kk).unsqueeze(-1).expand(-1, -1, state.shape[-1]))
+                state = state.reshape(B * j.shape[1], -1)
+        offset += W * kk
+    if not toks:
+        empty = torch.zeros(B, 0, dtype=torch.long, device=device)
+        return DraftTree(empty, empty, torch.zeros(0, dtype=torch.long, device=device), torch.zeros(B, 0, device=device))
+    return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(depth), torch.cat(scores, 1))
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
@@ -746,12 +845,26 @@ class DFlashDrafter(nn.Module):
                       temperatures=None, generators=None, num_drafts: int | None = None) -> DraftBlock:
         """One drafting step of a batch of sequences (one block forward, one base-logits GEMM, the
         Markov loop batched): ``draft_blocks`` outputs with a leading batch dimension."""
-        ids = torch.stack([self.block_input_ids(a) for a in anchors])  # [S, B]
-        x = embed_fn(ids.reshape(-1)).view(ids.shape[0], ids.shape[1], -1)
-        hidden = self.draft_hidden(self.forward_blocks(x, start_pos, caches))
+        ids, hidden = self._draft_slots(anchors, start_pos, caches, embed_fn)
         return draft_blocks(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
                             temperatures, generators, self.d2t, confidence_head=self.confidence_head,
                             target_vocab_size=self.cfg.vocab_size, num_drafts=num_drafts)
+
+    @torch.no_grad()
+    def propose_tree_batch(self, anchors: list[int], start_pos: list[int], caches: list, embed_fn,
+                           target_logits_fn=None, temperatures=None, num_drafts: int | None = None, topk: int = 4,
+                           beam: int = 4, confidence_temperatures=None) -> DraftTree:
+        """Candidate draft trees of a batch of sequences (``draft_trees``) from one block forward."""
+        ids, hidden = self._draft_slots(anchors, start_pos, caches, embed_fn)
+        return draft_trees(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
+                           topk=topk, beam=beam, temperatures=temperatures, confidence_head=self.confidence_head,
+                           confidence_temperatures=confidence_temperatures, d2t=self.d2t, num_drafts=num_drafts)
+
+    def _draft_slots(self, anchors, start_pos, caches, embed_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block input ids [S, B] and the draft slots' hidden states [S, g, d] of one block forward."""
+        ids = torch.stack([self.block_input_ids(a) for a in anchors])  # [S, B]
+        x = embed_fn(ids.reshape(-1)).view(ids.shape[0], ids.shape[1], -1)
+        return ids, self.draft_hidden(self.forward_blocks(x, start_pos, caches))
 
     # -- weights ------------------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:

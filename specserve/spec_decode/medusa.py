@@ -30,21 +30,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from specserve.layers.embed_head import ParallelLMHead
-from specserve.sample.tree import TreeBuffers, tree_tokens_from_candidates
-from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes
+from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
+from specserve.spec_decode.cost_model import (TREE_SIZES, choose_verify_lengths, interp_cost, measure_step_costs,
+                                              profile_sizes, tree_profile_sizes)
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 log = logging.getLogger("specserve.medusa")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "medusa-smollm2-135m"
-TREE_SIZES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 VERIFY_MODES = ("full", "auto")
 SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
 
@@ -105,7 +104,7 @@ class MedusaProposer(Proposer):
         self.posterior_alpha = posterior_alpha
         self.tree: TreeBuffers | None = None
         self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
-        self._subtrees: OrderedDict[tuple[int, ...], TreeBuffers] = OrderedDict()
+        self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
         if acceptance == "typical":
             self.lossy_verify = self._typical
@@ -164,9 +163,7 @@ class MedusaProposer(Proposer):
                 _, sizes = profile_sizes(max_seqs, self.num_speculative_tokens)
             else:
                 self._candidates = self._candidate_index(self.tree)
-                n = self.tree.num_nodes - 1
-                _, sizes = profile_sizes(max_seqs, n)
-                sizes = sorted(set(sizes) | {m + 1 for m in TREE_SIZES if m < n})
+                _, sizes = tree_profile_sizes(max_seqs, self.tree.num_nodes - 1)
             self.verify_costs = measure_step_costs(target, sizes)
             log.info("Medusa auto verify: target cost %s ms",
                      {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
@@ -268,16 +265,8 @@ class MedusaProposer(Proposer):
         return score.sort(dim=1, descending=True, stable=True)
 
     def _subtree(self, idx: tuple[int, ...]) -> TreeBuffers:
-        """The tree of the candidate paths ``idx`` (sorted), cached (most recently used kept)."""
-        buf = self._subtrees.get(idx)
-        if buf is None:
-            buf = TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
-            self._subtrees[idx] = buf
-            if len(self._subtrees) > SUBTREE_CACHE:
-                self._subtrees.popitem(last=False)
-        else:
-            self._subtrees.move_to_end(idx)
-        return buf
+        """The tree of the candidate paths ``idx`` (sorted)."""
+        return TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int]) -> Proposal:
         D = self._candidates["ranks"].shape[1]
@@ -291,7 +280,7 @@ class MedusaProposer(Proposer):
             if n == 0:
                 trees.append(None)
                 continue
-            buf = self._subtree(tuple(sorted(order[b, :n].tolist())))
+            buf = self._subtrees.get(tuple(sorted(order[b, :n].tolist())))
             trees.append(TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf))
         return Proposal([[] for _ in seqs], trees=trees)
 

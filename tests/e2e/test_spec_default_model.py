@@ -55,6 +55,8 @@ def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree):
     ("dspark", {"dspark_verify": "threshold", "confidence_threshold": 0.3}),
     ("dspark", {"draft_sample_method": "probabilistic"}),
     ("dspark", {"dspark_verify": "auto"}),
+    ("dspark", {"dspark_tree": 12}),
+    ("dspark", {"dspark_tree": "auto"}),
 ])
 def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extra):
     params = SamplingParams(temperature=0, max_tokens=32)

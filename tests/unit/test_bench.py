@@ -10,8 +10,10 @@ def test_bench_sized_tree_rows():
     row = method_factory("medusa-tree-64")()
     assert row.name == "medusa-tree-64"
     assert row.speculative_config == {"method": "medusa", "medusa_tree": 64}
-    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064"):
-        with pytest.raises(BenchError, match="medusa-tree-N"):
+    assert method_factory("dspark-tree-12")().speculative_config == {"method": "dspark", "dspark_tree": 12}
+    assert method_factory("dflash-tree-3")().speculative_config == {"method": "dflash", "dspark_tree": 3}
+    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064", "ngram-tree-4"):
+        with pytest.raises(BenchError, match=r"\{medusa,dspark,dflash\}-tree-N"):
             parse_methods(bad)
 
 

@@ -47,29 +47,45 @@ def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", s
 @pytest.mark.parametrize("method, rank, sample, verify", [
     ("dspark", 8, "greedy", "full"), ("dspark", 8, "probabilistic", "full"), ("dspark", 8, "greedy", "threshold"),
     ("dflash", 0, "greedy", "full"), ("dspark", 8, "greedy", "full-gated"), ("dspark", 8, "greedy", "auto"),
-    ("dspark", 8, "probabilistic", "auto"),
+    ("dspark", 8, "probabilistic", "auto"), ("dspark", 8, "greedy", "tree-6"), ("dspark", 8, "greedy", "tree-6-rnn"),
+    ("dflash", 0, "greedy", "tree-5"), ("dspark", 8, "greedy", "tree-auto"),
 ])
-def test_greedy_identical_to_plain(tiny_llama, tmp_path, method, rank, sample, verify):
-    head = "gated" if verify == "full-gated" else "vanilla"
+def test_greedy_identical_to_plain(tiny_llama, small_vocab_model, tmp_path, method, rank, sample, verify):
+    head = next((h for h in ("gated", "rnn") if verify.endswith(h)), "vanilla")
+    prompts = PROMPTS
+    if verify.startswith("tree"):  # 16 tokens: a random drafter's trees hold the target's token often
+        tiny_llama, prompts = small_vocab_model, [[t % 16 for t in p] for p in PROMPTS]
     drafter = write_random_drafter(tmp_path / "d", tiny_llama, markov_rank=rank, head_type=head)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-        "method": method, "model": str(drafter), "draft_sample_method": sample,
-        "dspark_verify": verify.split("-")[0], "confidence_threshold": 0.5})
-    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(prompts, params, use_tqdm=False)
+    spec = {"method": method, "model": str(drafter), "draft_sample_method": sample, "confidence_threshold": 0.5}
+    if verify.startswith("tree"):
+        size = verify.split("-")[1]
+        spec["dspark_tree"] = size if size == "auto" else int(size)
+    else:
+        spec["dspark_verify"] = verify.split("-")[0]
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec)
+    if spec.get("dspark_tree") == "auto":  # verifying costs a little per token: trees of several sizes
+        llm.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.02}
+    out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
-    assert llm.get_metrics()["num_draft_tokens"] > 0
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0
+    if verify.startswith("tree"):  # trees verified, and paths accepted, through the tree verifier
+        assert m["num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto")])
+@pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto"),
+                                           ("greedy", "tree")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample, verify):
-    """Many sequences draft together (batched blocks, one generator per row) at temperature 1."""
+    """Many sequences draft together (batched blocks, one generator per row) at temperature 1; trees:
+    each row's own tree, sized by the cost model from the draft probabilities at temperature 1."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    mode = {"dspark_tree": "auto"} if verify == "tree" else {"dspark_verify": verify}
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
-        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "dspark_verify": verify})
-    if verify == "auto":  # a cost per verified token: lengths follow the confidences and differ by row
+        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, **mode})
+    if verify in ("auto", "tree"):  # a cost per verified token: lengths follow the confidences and differ by row
         spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.001}
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
@@ -110,6 +126,46 @@ def test_engine_drafts_from_the_features_of_the_kept_prefix(small_vocab_model, t
         torch.testing.assert_close(ref.confidences, conf, atol=1e-4, rtol=1e-4)
 
 
+def test_tree_drafting_reads_the_features_of_the_accepted_path(small_vocab_model, tmp_path):
+    """After a tree step the drafter's cache holds the target features of the accepted PATH (node
+    indices that need not be contiguous): every step's candidate tree equals one drafted offline from a
+    full forward of the final sequence, and accepted paths left the first branch at times."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
+    llm = LLM(model=str(small_vocab_model), dtype="float32",
+              speculative_config={"method": "dspark", "model": str(drafter), "dspark_tree": 6})
+    prop = llm.engine.proposer
+    w = prop.worker
+    calls = []
+    engine_propose = w.propose_tree
+
+    def record(seq_ids, anchors, starts, *args):
+        out = engine_propose(seq_ids, anchors, starts, *args)
+        calls.append((anchors[0], starts[0], args, out))
+        return out
+
+    w.propose_tree = record
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True)
+    prompt = [5, 1, 12, 9, 3]
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    full = prompt + list(out.outputs[0].token_ids)
+    feats = torch.cat(llm.engine.runner.forward(0, [full], [0], "none", aux_layers=prop.aux_layers).aux, dim=-1)[0]
+    off_branch = 0
+    for i, (anchor, start, args, tree) in enumerate(calls):
+        assert full[start] == anchor
+        cache = w.drafter.new_cache()
+        cache.extend(feats[:start], list(range(start)))
+        num_drafts, temps, topk, beam, ctemps = args
+        ref = w.drafter.propose_tree_batch([anchor], [start], [cache], w.embed, w.logits_fn, temps, num_drafts, topk,
+                                           beam, ctemps)
+        assert torch.equal(ref.tokens, tree.tokens) and torch.equal(ref.parents, tree.parents)
+        torch.testing.assert_close(ref.scores, tree.scores, atol=1e-4, rtol=1e-4)
+        if i + 1 < len(calls):
+            n = calls[i + 1][1] - start - 1  # drafts accepted at this step
+            if n >= 1 and full[start + 1] != int(tree.tokens[0, 0]):
+                off_branch += 1  # the accepted path starts at a lower-ranked child
+    assert len(calls) > 5 and off_branch > 0
+
+
 def test_dspark_errors(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="does not match|hidden|vocab|needs a drafter checkpoint"):
         LLM(model=str(tiny_llama), speculative_config={"method": "dspark"})  # the default model's drafter
@@ -117,6 +173,12 @@ def test_dspark_errors(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="exceeds the drafter's 4 drafts"):
         LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter),
                                                        "num_speculative_tokens": 6})
+    for bad, match in [({"dspark_tree": 0}, "dspark_tree must be"), ({"dspark_tree": "big"}, "dspark_tree must be"),
+                       ({"dspark_tree": 4, "draft_sample_method": "probabilistic"}, "draft_sample_method='greedy'"),
+                       ({"dspark_tree": 4, "dspark_verify": "auto"}, "leave dspark_verify"),
+                       ({"dspark_tree": 4, "dspark_tree_topk": 0}, "dspark_tree_topk must be")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter), **bad})
 
 
 def test_choose_verify_lengths_is_the_best_choice():
@@ -214,3 +276,24 @@ def test_tp2_dspark_equals_tp1_and_counts_collectives(tiny_llama, tmp_path, repl
     else:
         assert shapes == [{"markov_w1": (129, 8), "markov_w2": (129, 8)}] * 2
         assert step == [{"all_reduce": 1 + g, "all_gather": 1 + g}] * 2
+
+
+@pytest.mark.multiproc
+def test_tp2_dspark_tree_equals_tp1(small_vocab_model, tmp_path):
+    """Tree drafting under TP=2 (candidates drafted on both ranks, the tree verified by the sharded
+    target): the same tokens as TP=1, greedy and seeded sampling."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, markov_rank=8)
+    spec = {"method": "dspark", "model": str(drafter), "dspark_tree": 6}
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)]
+    one = LLM(model=str(small_vocab_model), dtype="float32", speculative_config=spec)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(small_vocab_model), dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+    try:
+        out = llm.generate(prompts, params, use_tqdm=False)
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert m["num_accepted_tokens"] > 0

@@ -24,6 +24,8 @@ from specserve.spec_decode.dspark_model import (
     MarkovHead,
     d2t_from_t2d,
     draft_block,
+    draft_blocks,
+    draft_trees,
     expected_state_shapes,
 )
 
@@ -437,6 +439,75 @@ def test_draft_block_greedy_and_probabilistic(head_type):
     with torch.no_grad():
         flat = torch.softmax((U + head.bias(torch.full((BLOCK,), anchor), hidden)) / T, -1)
     assert not torch.allclose(flat[1:], probs[1:])
+
+
+@pytest.mark.parametrize("head_type, pruned", [("vanilla", False), ("gated", True), ("rnn", False), ("rnn", True)])
+def test_draft_trees_branches_follow_their_own_path(head_type, pruned):
+    """Every candidate node's children are the top-k of ``U_d + B_d(its own path)`` (for the rnn head,
+    the state unrolled along that path), scored by the calibrated confidence (greedy rows) or the
+    draft probability at the row's temperature (sampled rows), times the parent's score; each depth
+    expands the ``beam`` best nodes of the one before; with a wide enough beam the rank-0 path is the
+    greedy chain of ``draft_blocks``."""
+    torch.manual_seed(0)
+    vd = VD if pruned else V
+    t2d = random_t2d(3) if pruned else None
+    to_target = torch.nonzero(t2d).flatten() if pruned else torch.arange(V)
+    head = MarkovHead(V, vd, R, D, head_type)
+    randomize(head, 4)
+    ch = ConfidenceHead(D, R, with_markov=True)
+    Wd = torch.randn(vd, D)
+    base = lambda h: h @ Wd.T  # noqa: E731
+    hidden = torch.randn(2, BLOCK, D)
+    anchors = [int(to_target[3]), 7]
+    temps, ctemps, topk, beam = [None, 0.8], [1.5, 0.7, 1.0], 3, 2
+    tree = draft_trees(base, hidden, anchors, head, topk=topk, beam=beam, temperatures=temps, confidence_head=ch,
+                       confidence_temperatures=ctemps, d2t=t2d)
+    C = topk + (BLOCK - 1) * beam * topk
+    assert tree.tokens.shape == tree.parents.shape == tree.scores.shape == (2, C)
+    assert tree.depth.tolist() == [1] * topk + [d for d in range(2, BLOCK + 1) for _ in range(beam * topk)]
+    with torch.no_grad():
+        for b in range(2):
+            par, tok, sc = tree.parents[b].tolist(), tree.tokens[b].tolist(), tree.scores[b]
+            for node in [-1] + list(range(C)):
+                kids = [c for c in range(C) if par[c] == node]
+                path, n = [], node
+                while n >= 0:
+                    path.insert(0, tok[n])
+                    n = par[n]
+                d = len(path)
+                if d == BLOCK:
+                    assert not kids
+                    continue
+                depth_nodes = [c for c in range(C) if tree.depth[c] == d]
+                if node >= 0 and node not in sorted(depth_nodes, key=lambda c: -float(sc[c]))[:beam]:
+                    assert not kids  # only the best `beam` nodes of a depth are expanded
+                    continue
+                prevs = torch.tensor([anchors[b]] + path)
+                logits = hidden[b, d] @ Wd.T + head.bias(prevs, hidden[b, : d + 1])[d]
+                t = 1.0 if temps[b] is None else temps[b]
+                q = torch.softmax(logits / t, -1)
+                want_q, want_i = q.topk(topk)
+                assert [tok[c] for c in kids] == to_target[want_i].tolist(), (b, node)
+                parent = 1.0 if node < 0 else float(sc[node])
+                if temps[b] is None:
+                    c = ch(hidden[b, d], head.markov_w1.weight[prevs[-1]])
+                    t_d = ctemps[d] if d < len(ctemps) else 1.0
+                    c = torch.sigmoid(torch.logit(c) / t_d)
+                    want = torch.cat([c.view(1), (1 - c) * want_q[1:] / (1 - want_q[0])])
+                else:
+                    want = want_q
+                torch.testing.assert_close(sc[kids], parent * want, rtol=1e-4, atol=1e-6)
+                assert all(float(sc[c]) <= parent + 1e-7 for c in kids)
+    # a beam as wide as the tree: the rank-0 path from the root is the greedy chain
+    full = draft_trees(base, hidden, anchors, head, topk=2, beam=2 ** BLOCK, d2t=t2d)
+    chain = draft_blocks(base, hidden, anchors, head, d2t=t2d).tokens
+    for b in range(2):
+        node, path = -1, []
+        par, tok = full.parents[b].tolist(), full.tokens[b].tolist()
+        for _ in range(BLOCK):
+            node = next(c for c in range(len(par)) if par[c] == node)  # the first child: rank 0
+            path.append(tok[node])
+        assert path == chain[b].tolist()
 
 
 def test_rank0_is_pure_dflash():
