@@ -27,8 +27,9 @@ nodes (always a subtree): ``dspark_tree`` an int verifies that many, ``"auto"`` 
 model finds worth it (up to ``TREE_MAX_NODES``), per request and step.
 
 The cut depends on the drafter's confidences only, never on whether drafts will be accepted, so every
-mode is lossless, at any temperature (trees: greedy and exact tree sampling verification). ``markov_replicate`` (default True) keeps the Markov head whole on
-every tensor-parallel rank (no collective per draft position); False shards it (for comparison).
+mode is lossless, at any temperature (trees too: they are verified by ``verify_tree_greedy`` /
+``verify_tree_sample``). ``markov_replicate`` (default True) keeps the Markov head whole on every
+tensor-parallel rank (no collective per draft position); False shards it (for comparison).
 
 A batch drafts in one block forward: the sequences' contexts are padded and masked, the base logits are
 one GEMM, the Markov loop runs over the batch. Under tensor parallelism the drafter runs on every rank
