@@ -117,3 +117,19 @@ def test_cached_chunks_reuses_the_first_chunks_of_a_longer_list(tmp_path):
     assert flat(cached_chunks(tmp_path, "t", items[:2], key, compute, chunk=2)) == first[:2] and len(calls) == 1
     calls.clear()
     assert flat(cached_chunks(False, "t", items, key, compute, chunk=2)) == first and len(calls) == 3
+
+
+def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path):
+    """A prompt that leaves no room for max_tokens within max_model_len is skipped and logged; the others
+    are generated as usual (a long chat turn in a dataset must not stop a training run)."""
+    from specserve import LLM
+    from specserve.train.data import self_distill
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=40)
+    prompts = ["w1 w2 w3", " ".join(f"w{i}" for i in range(1, 60)), "w4 w5"]
+    logs = []
+    out = self_distill(llm, prompts, max_tokens=8, cache_dir=False, chat=False, log=logs.append)
+    assert [o["prompt"] for o in out] == [prompts[0], prompts[2]]
+    assert all(len(o["ids"]) == o["prompt_len"] + 8 or o["ids"][-1] in llm.engine.eos_ids for o in out)
+    assert any("skipping 1 of 3 prompts longer than 32 tokens" in m for m in logs)
+
