@@ -166,14 +166,15 @@ class TrainRun:
         """``distill_splits`` of each source's prompts with the trainer's generation options (each
         source through its own cache entry), concatenated in source order."""
         train_s, held_s = [], []
+        self.train_sizes, self.held_sizes = [], []
         for tr, he in self.parts:
             a, b = distill_splits(self.llm, tr, he, max_tokens=args.max_tokens, temperature=args.temperature,
                                   batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
                                   cache_dir=self.cache_dir, log=log)
             train_s += a
             held_s += b
-        self.train_sizes = [len(tr) for tr, _ in self.parts]
-        self.held_sizes = [len(he) for _, he in self.parts]
+            self.train_sizes.append(len(a))  # self_distill may skip prompts too long for the model
+            self.held_sizes.append(len(b))
         return train_s, held_s
 
 
