@@ -132,4 +132,14 @@ def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path)
     assert [o["prompt"] for o in out] == [prompts[0], prompts[2]]
     assert all(len(o["ids"]) == o["prompt_len"] + 8 or o["ids"][-1] in llm.engine.eos_ids for o in out)
     assert any("skipping 1 of 3 prompts longer than 32 tokens" in m for m in logs)
+    # a training run counts each source's samples as generated, not as asked for
+    from types import SimpleNamespace
+
+    from specserve.train.common import TrainRun, by_source
+
+    run = TrainRun(0.0, tmp_path, [(prompts, ["w7 w8"]), (["w9"], ["w10 w11"])], "test", llm, 0.0)
+    args = SimpleNamespace(max_tokens=8, temperature=0.0, gen_batch_size=4, seed=0, chat=False)
+    train_s, held_s = run.distill(args)
+    assert run.train_sizes == [2, 1] and run.held_sizes == [1, 1]
+    assert by_source(lambda xs: [len(xs)], train_s, run.train_sizes) == [2, 1]
 
