@@ -329,10 +329,10 @@ def cmd_demo(args) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
-            ("Medusa (shipped heads, chain length from the cost model, lossless)",
-             {"method": "medusa", "medusa_verify": "auto"}),
-            ("DSpark (shipped drafter, verify length from the cost model, lossless)",
-             {"method": "dspark", "dspark_verify": "auto"})]
+            ("Medusa (shipped heads, a draft tree chosen each step by the cost model, lossless)",
+             {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"}),
+            ("DSpark (shipped drafter, a draft tree chosen each step by the cost model, lossless)",
+             {"method": "dspark", "dspark_tree": "auto"})]
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
@@ -362,7 +362,7 @@ def cmd_demo(args) -> int:
         print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
               f"mean acceptance length {tau:.2f}, text {same}")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,hf,ngram,medusa,medusa-tree,medusa-tree-dynamic,dspark,dspark-auto,dflash")
+          "specserve bench --methods none,hf,ngram,medusa,medusa-tree-dynamic,dspark,dspark-auto,dspark-tree,dflash")
     return 0
 
 

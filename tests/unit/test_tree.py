@@ -296,3 +296,26 @@ def test_tree_walk_respects_top_p():
         assert path_tokens[0] in (5, 7)
         assert all(t in (0, 1) for t in path_tokens[1:])
     assert seen_root == {5, 7}
+
+
+def test_tree_cache_builds_once_per_key_and_keeps_the_most_recent():
+    from specserve.sample.tree import TreeBuffers, TreeCache
+
+    built = []
+
+    def build(parents):
+        built.append(parents)
+        return TreeBuffers.from_parents([-1, *parents])
+
+    cache = TreeCache(build, size=2)
+    a = cache.get((0, 0))
+    assert cache.get((0, 0)) is a and built == [(0, 0)]
+    assert a.parents == [-1, 0, 0] and a.max_depth == 1
+    cache.get((0, 1))
+    cache.get((0, 0))  # (0, 0) is now the most recent: (0, 1) goes first
+    cache.get((0, 1, 2))
+    assert len(cache) == 2
+    cache.get((0, 0))
+    assert built == [(0, 0), (0, 1), (0, 1, 2)]
+    cache.get((0, 1))
+    assert built[-1] == (0, 1)
