@@ -331,8 +331,8 @@ def cmd_demo(args) -> int:
     runs = [("plain decoding", None),
             ("Medusa (shipped heads, a draft tree chosen each step by the cost model, lossless)",
              {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"}),
-            ("DSpark (shipped drafter, a draft tree chosen each step by the cost model, lossless)",
-             {"method": "dspark", "dspark_tree": "auto"})]
+            ("DSpark (shipped drafter, verify length from the cost model, lossless)",
+             {"method": "dspark", "dspark_verify": "auto"})]
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
