@@ -50,6 +50,7 @@ import torch
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
                                               tree_profile_sizes)
+from specserve.spec_decode.dspark_model import calibrate_confidences
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 log = logging.getLogger("specserve.dspark")
@@ -359,12 +360,7 @@ class DSparkProposer(Proposer):
 
     def _calibrated(self, c: torch.Tensor) -> torch.Tensor:
         """Confidences [..., g] after the checkpoint's sequential temperature scaling (if it has one)."""
-        c = c.float()
-        if not self.conf_temps:
-            return c
-        g = c.shape[-1]
-        t = torch.tensor((list(self.conf_temps) + [1.0] * g)[:g])
-        return torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / t)
+        return calibrate_confidences(c, self.conf_temps)
 
 
 class DFlashProposer(DSparkProposer):

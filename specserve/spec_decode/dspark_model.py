@@ -66,6 +66,7 @@ __all__ = [
     "draft_block",
     "draft_blocks",
     "draft_trees",
+    "calibrate_confidences",
     "expected_state_shapes",
     "d2t_from_t2d",
 ]
@@ -467,6 +468,17 @@ def _target_ids(d2t: torch.Tensor | None, device) -> torch.Tensor | None:
     return torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
 
 
+def calibrate_confidences(c: torch.Tensor, temperatures) -> torch.Tensor:
+    """Confidences [..., g] after sequential temperature scaling: slot k's logit divided by
+    ``temperatures[k]`` (1 past the end of the list or for a non-positive entry); float32."""
+    c = c.float()
+    if not temperatures:
+        return c
+    g = c.shape[-1]
+    t = [float(x) if float(x) > 0 else 1.0 for x in (list(temperatures) + [1.0] * g)[:g]]
+    return torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / torch.tensor(t, device=c.device))
+
+
 class DraftTree(NamedTuple):
     """Candidate nodes of a batch of draft trees (``draft_trees``); each row's root, its anchor, is not
     a candidate. tokens [B, C] target ids; parents [B, C] long: -1 for a child of the root, else the
@@ -532,9 +544,7 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         top_q, top_i = torch.softmax(logits / scale, dim=-1).topk(kk, dim=-1)  # [B, W, kk]
         factor = top_q
         if confidence_head is not None:
-            c = confidence_head(h, emb).float().view(B, W, 1)
-            if k < len(ctemps) and float(ctemps[k]) > 0:
-                c = torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / float(ctemps[k]))
+            c = calibrate_confidences(confidence_head(h, emb).view(B, W, 1), ctemps[k : k + 1])
             rest = (1.0 - c) * top_q[..., 1:] / (1.0 - top_q[..., :1]).clamp_min(1e-6)
             factor = torch.where(greedy, torch.cat([c, rest.clamp(max=1.0)], dim=-1), top_q)
         child = (fscore.unsqueeze(-1) * factor).reshape(B, W * kk)

@@ -212,16 +212,15 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
     in the log) rather than stopping the run."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    tok = llm.tokenizer
-    ids = [prompt_token_ids(tok, p, chat) for p in prompts]
-    limit = llm.engine.max_model_len - max_tokens
+    engine = llm.engine
+    ids = [prompt_token_ids(llm.tokenizer, p, chat) for p in prompts]
+    limit = engine.max_model_len - max_tokens
     keep = [i for i, x in enumerate(ids) if len(x) <= limit]
     if len(keep) < len(ids):
         (log or print)(f"self-distillation: skipping {len(ids) - len(keep)} of {len(ids)} prompts longer than "
-                       f"{limit} tokens (max_model_len {llm.engine.max_model_len} - max_tokens {max_tokens}; "
+                       f"{limit} tokens (max_model_len {engine.max_model_len} - max_tokens {max_tokens}; "
                        f"the longest has {max(len(x) for x in ids)})")
         prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
-    engine = llm.engine
     dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
     base = {"v": 2, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "max_tokens": max_tokens,
             "temperature": float(temperature)}
