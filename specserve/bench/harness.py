@@ -88,6 +88,7 @@ class BenchContext:
     seed: int
     threads: int
     tensor_parallel_size: int = 1
+    device: str = "cpu"
 
 
 @dataclass
@@ -162,6 +163,7 @@ class SpecserveSession(Session):
         kwargs = {"speculative_config": speculative_config} if speculative_config else {}
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
+                       device=ctx.device,
                        max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
         try:
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
@@ -238,13 +240,14 @@ class HFSession(Session):
             raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
         super().__init__(ctx)
         torch.set_num_threads(ctx.threads)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype]).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype])
+        self.model = self.model.to(ctx.device).eval()
         self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
 
     def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
         ctx = self.ctx
         torch.set_num_threads(ctx.threads)
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=ctx.device)
         kw = dict(do_sample=False) if ctx.temperature < 1e-5 else dict(
             do_sample=True, temperature=ctx.temperature, top_k=0, top_p=1.0)
         if kw["do_sample"]:
@@ -334,7 +337,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
     return ["none"] + names  # the baseline always runs first: every row is compared with it
 
 
-def parse_dtypes(spec: str | list[str]) -> list[str]:
+def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
     from specserve.engine.model_runner import DTYPES, resolve_dtype
 
     names = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec) if d.strip()]
@@ -344,7 +347,7 @@ def parse_dtypes(spec: str | list[str]) -> list[str]:
     for d in names:
         if d != "auto" and d not in DTYPES:
             raise BenchError(f"unknown dtype {d!r}; choose from auto, float32, bfloat16, float16")
-        out.append(str(resolve_dtype(d)).removeprefix("torch."))
+        out.append(str(resolve_dtype(d, device)).removeprefix("torch."))
     return list(dict.fromkeys(out))
 
 
@@ -365,7 +368,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               num_prompts: int | None = None, max_tokens: int = 128, temperature: float = 0.0,
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
-              interleave: bool = True) -> list[dict]:
+              interleave: bool = True, device: str | None = "auto") -> list[dict]:
     """Run every method at every dtype; returns one row (a dict) per (dtype, method). ``interleave``
     (one process only): see ``_run_methods``."""
     from specserve.models.loader import resolve_model_dir
@@ -377,7 +380,15 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     for r in runners.values():
         if hasattr(r, "check"):
             r.check()
-    dtype_names = parse_dtypes(dtypes)
+    from specserve.engine.model_runner import resolve_device
+
+    try:
+        device = resolve_device(device, tensor_parallel_size)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    if device != "cpu" and tensor_parallel_size > 1:
+        raise BenchError("--tensor-parallel-size > 1 runs gloo processes on CPU: use --device cpu")
+    dtype_names = parse_dtypes(dtypes, device)
     if max_tokens < 1:
         raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
     if temperature < 0:
@@ -414,7 +425,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     rows = []
     for dtype in dtype_names:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
-                           tensor_parallel_size)
+                           tensor_parallel_size, device)
         base: MethodResult | None = None
         base_tps = None
         results = _run_methods(runners, names, ctx, interleaved, log)
@@ -440,6 +451,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
                 "mean_acceptance_length": res.mean_acceptance_length,
                 "acceptance_rate_per_position": res.acceptance_rate_per_position,
                 "threads": threads,
+                "device": device,
                 "tensor_parallel_size": tensor_parallel_size,
                 "interleaved": interleaved,
                 "model_dir": str(model_dir),
@@ -454,7 +466,8 @@ def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave:
     slower during the run (thermal or frequency changes, noisy neighbours) weighs on every row alike.
     Else one method after the other (tensor parallelism: one set of worker processes at a time)."""
     n = len(ctx.prompt_ids)
-    what = f"({ctx.dtype}, {n} prompts x {ctx.max_tokens} tokens, {ctx.threads} threads)"
+    where = f"{ctx.threads} threads" if ctx.device == "cpu" else ctx.device
+    what = f"({ctx.dtype}, {n} prompts x {ctx.max_tokens} tokens, {where})"
     if not interleave:
         out = {}
         for name in names:

@@ -17,7 +17,7 @@ from collections import deque
 import torch
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.model_runner import ModelRunner, TPRunner
+from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device
 from specserve.engine.sequence import Sequence, Status
 from specserve.models.loader import resolve_model_dir
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
@@ -34,12 +34,13 @@ def path_tree(k: int) -> TreeBuffers:
 
 
 class LLMEngine:
-    def __init__(self, model=None, cfg: EngineConfig | None = None, device: str = "cpu"):
+    def __init__(self, model=None, cfg: EngineConfig | None = None, device: str | None = "auto"):
         self.cfg = cfg = cfg or EngineConfig()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model_dir = resolve_model_dir(model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.device = device = resolve_device(device, cfg.tensor_parallel_size)
         if cfg.tensor_parallel_size > 1:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
@@ -137,7 +138,8 @@ class LLMEngine:
                     for i, (s, piece) in enumerate(zip(group, pieces)):
                         self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
                                               [a[i, : len(piece)] for a in out.aux], reset=start == 0)
-            tokens = sample(out.logits, SamplingBatch.build([s.params for s in group], [s.generator for s in group]))
+            sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
+            tokens = sample(out.logits, sb)
             for s, t in zip(group, tokens.tolist()):
                 s.num_computed = len(s.prompt_ids)
                 s.append_tokens([t])
@@ -180,7 +182,7 @@ class LLMEngine:
         out = self.runner.forward(0, tokens, starts, "all", aux_layers=self.proposer.aux_layers,
                                   tree_mask=masks if any_tree else None, positions=positions if any_tree else None,
                                   return_hidden=self.proposer.needs_hidden)
-        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs])
+        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], out.logits.device)
         if any_tree:
             results = self._verify_trees(seqs, trees, chains, prop, out.logits, sb, starts)
         else:
@@ -195,7 +197,7 @@ class LLMEngine:
             self.metrics.record(trees[b].buffers.max_depth if trees[b] is not None else len(chains[b]), accepted)
             s.num_computed = starts[b] + 1 + accepted
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
-                idx = torch.tensor(kept_idx, dtype=torch.long)
+                idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
                                       [a[b, idx] for a in out.aux], reset=False)
             emitted_total += s.append_tokens(emitted)

@@ -29,10 +29,15 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float32 | bfloat16 | float16") -> None:
+def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float32 | bfloat16 | float16",
+                    device: bool = True) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help=dtype_help + " (default: auto)")
+    if device:  # the trainers run on the CPU
+        p.add_argument("--device", default="auto",
+                       help="auto | cpu | cuda | cuda:N (default auto: a CUDA GPU when torch sees one and the model "
+                            "runs in one process, else the CPU; $SPECSERVE_DEVICE overrides auto)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -167,7 +172,7 @@ def _add_train_medusa_parser(tsub) -> None:
                     "tokens 2, 3, ... positions ahead. Writes config.json, medusa.safetensors and README.md "
                     "to --out and reports per-head accuracy on held-out prompts.")
     _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
-                       "(hidden states are always computed in float32)")
+                       "(hidden states are always computed in float32)", device=False)
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     m.add_argument("--num-heads", type=_positive_int, default=4, help="Medusa heads K (default 4)")
     m.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
@@ -207,7 +212,7 @@ def _add_train_dspark_parser(tsub) -> None:
                     "(config.json, model.safetensors) and README.md to --out and reports per-position acceptance "
                     "estimates on held-out prompts.")
     _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
-                       "(target features are always computed in float32)")
+                       "(target features are always computed in float32)", device=False)
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     m.add_argument("--num-layers", type=_positive_int, default=1, help="draft decoder layers (default 1)")
     m.add_argument("--block-size", type=_positive_int, default=7,
@@ -264,7 +269,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-              num_threads=args.threads, speculative_config=speculative_config_from_args(args))
+              num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device)
     try:
         if args.chat:
             prompt = {"prompt": args.prompt,
@@ -308,11 +313,13 @@ def cmd_bench(args) -> int:
     rows = run_bench(model=args.model, methods=args.methods, prompts_file=args.prompts, num_prompts=args.num_prompts,
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
-                     tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave)
+                     tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
+                     device=args.device)
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
+    where = f"{r0['threads']} threads{tp}" if r0["device"] == "cpu" else r0["device"]
     print(f"{r0['num_prompts']} prompts, max {r0['max_tokens']} tokens, temperature {r0['temperature']}, "
-          f"{r0['threads']} threads{tp}, batch size 1, "
+          f"{where}, batch size 1, "
           f"{'methods interleaved prompt by prompt' if r0['interleaved'] else 'one method after the other'}; "
           "tok/s = generated tokens / request wall time (prefill included)")
     print(format_table(rows), flush=True)

@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
         self._build(max(max_positions, 16))
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.int64).float()
+        t = torch.arange(n, dtype=torch.int64, device=self.inv_freq.device).float()
         freqs = torch.outer(t, self.inv_freq.float())
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)

@@ -58,14 +58,22 @@ def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[
 def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
     (median of ``reps``), measured on the running device in slot 0 before any request runs."""
+    from specserve.engine.model_runner import synchronize
+
     ctx = 128
+    device = getattr(target, "device", "cpu")  # a TPRunner: CPU processes
     target.forward(0, [[0] * ctx], [0], "none")
+    if device != "cpu":  # first launches of each shape (kernel selection, allocator) are not the cost
+        for n in sizes:
+            target.forward(0, [[0] * n], [ctx], "all")
     out = {}
     for n in sizes:
         ts = []
         for _ in range(reps):
+            synchronize(device)
             t0 = time.perf_counter()
             target.forward(0, [[0] * n], [ctx], "all")
+            synchronize(device)
             ts.append(time.perf_counter() - t0)
         out[n] = sorted(ts)[len(ts) // 2]
     # a cost curve must not decrease with n (noise): make it monotonic

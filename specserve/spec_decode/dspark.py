@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.engine.model_runner import synchronize
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
                                               tree_profile_sizes)
@@ -85,6 +86,8 @@ class DSparkDraftWorker:
         self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=runner.dtype, markov_replicate=markov_replicate)
         self.drafter.load_state(sd)
         self.drafter.eval().requires_grad_(False)
+        self.device = getattr(runner, "device", "cpu")  # the target's: its embedding, lm_head and features
+        self.drafter.to(self.device)
         if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
             from specserve.engine.model_runner import pack_linears
 
@@ -98,7 +101,7 @@ class DSparkDraftWorker:
         """Append the target features [n, m*d] (a tensor, or a numpy array: what crosses the pipe to the
         other ranks, plain bytes) of the positions now kept for ``seq_id`` (the cache holds the committed
         prefix, so they continue it; ``reset``: a new prompt starts at position 0)."""
-        features = torch.as_tensor(features)
+        features = torch.as_tensor(features, device=self.device)
         cache = self.caches.get(seq_id)
         if cache is None:
             cache = self.caches[seq_id] = self.drafter.new_cache()
@@ -137,7 +140,7 @@ class DSparkDraftWorker:
         d = self.cfg.hidden_size * self.cfg.num_aux_layers
         ids = [-(i + 1) for i in range(batch)]
         for i in ids:
-            self.observe(i, torch.zeros(context, d), reset=True)
+            self.observe(i, torch.zeros(context, d, device=self.device), reset=True)
         before = dict(self.tp.counts)
         self.propose(ids, [0] * batch, [context] * batch, self.cfg.num_drafts)
         out = {k: v - before.get(k, 0) for k, v in self.tp.counts.items() if v - before.get(k, 0)}
@@ -163,14 +166,16 @@ class DSparkDraftWorker:
         for B in batch_sizes:
             ids = [-(i + 1) for i in range(B)]  # placeholder sequence ids
             for i in ids:
-                self.observe(i, torch.zeros(context, d), reset=True)
+                self.observe(i, torch.zeros(context, d, device=self.device), reset=True)
             ts = []
             for _ in range(reps + 1):
+                synchronize(self.device)
                 t0 = time.perf_counter()
                 if tree is None:
                     self.propose(ids, [0] * B, [context] * B, self.cfg.num_drafts)
                 else:
                     self.propose_tree(ids, [0] * B, [context] * B, self.cfg.num_drafts, None, *tree)
+                synchronize(self.device)
                 ts.append(time.perf_counter() - t0)
             for i in ids:
                 self.forget(i)
@@ -265,7 +270,7 @@ class DSparkProposer(Proposer):
     def observe(self, seq, last_hidden, aux, reset) -> None:
         feats = torch.cat(aux, dim=-1)
         if self.target.tp.size > 1:  # plain bytes through the pipe, no shared-memory tensor handles
-            feats = feats.float().numpy()
+            feats = feats.float().cpu().numpy()
         self.target.call_helper(self.name, "observe", seq.seq_id, feats, reset)
 
     def forget(self, seq) -> None:
@@ -291,6 +296,7 @@ class DSparkProposer(Proposer):
         blk, new_states = self.target.call_helper(
             self.name, "propose", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
             [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, states)
+        synchronize(blk.tokens.device)  # the drafter's GPU work is done, not just queued
         draft_s = time.perf_counter() - t0
         for b, st in zip(rows, new_states):
             if st is not None:
@@ -312,7 +318,7 @@ class DSparkProposer(Proposer):
         draft_probs = None
         if blk.probs is not None:
             K = max(len(c) for c in chains)
-            draft_probs = torch.zeros(len(seqs), K, self.vocab_size)
+            draft_probs = torch.zeros(len(seqs), K, self.vocab_size, device=blk.probs.device)
             for r, b in enumerate(rows):
                 L = len(chains[b])
                 if temps[r] is not None and L:
@@ -328,11 +334,14 @@ class DSparkProposer(Proposer):
             self.name, "propose_tree", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
             [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, self.tree_topk,
             self.tree_beam, self.conf_temps)
+        synchronize(cand.scores.device)
         draft_s = time.perf_counter() - t0
-        too_deep = cand.depth.view(1, -1) > torch.tensor([budget[b] for b in rows]).view(-1, 1)
+        limit = torch.tensor([budget[b] for b in rows], device=cand.depth.device)
+        too_deep = cand.depth.view(1, -1) > limit.view(-1, 1)
         scores = torch.where(too_deep, torch.full_like(cand.scores, -1.0), cand.scores)
         # a node never scores above its parent, which comes first: every prefix of this order is a subtree
         ranked, order = scores.sort(dim=1, descending=True, stable=True)
+        order = order.cpu()  # read row by row below: one copy from a GPU, not one per row
         valid = [[x for x in row if x >= 0.0] for row in ranked.tolist()]
         if self.tree_size == "auto":
             counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],

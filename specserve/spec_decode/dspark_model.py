@@ -258,7 +258,7 @@ def d2t_from_t2d(t2d: torch.Tensor) -> torch.Tensor:
     """bool ``t2d`` [V_target] (True = in the draft vocabulary) -> long offsets ``d2t`` [V_draft] with
     ``target_id = draft_id + d2t[draft_id]`` (draft ids in increasing target-id order)."""
     target_ids = torch.nonzero(t2d.to(torch.bool), as_tuple=False).flatten()
-    return target_ids - torch.arange(target_ids.numel(), dtype=target_ids.dtype)
+    return target_ids - torch.arange(target_ids.numel(), dtype=target_ids.dtype, device=target_ids.device)
 
 
 # ---- heads ----------------------------------------------------------------------------------------
@@ -441,7 +441,7 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
             q = torch.zeros_like(logits)
             for b in sampled:
                 q[b] = torch.softmax(logits[b] / temps[b], dim=-1)
-                x[b] = torch.multinomial(q[b], 1, generator=gens[b])[0]
+                x[b] = _sample_one(q[b], gens[b])
             probs.append(q)
         if to_target is not None:
             x = to_target[x]
@@ -456,6 +456,16 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
             q = full
         out_probs = q
     return DraftBlock(torch.stack(tokens, dim=1), out_probs, torch.stack(confs, dim=1) if confs else None)
+
+
+def _sample_one(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw (0-d long, on ``p``'s device) from the probabilities ``p`` [V] with ``generator``. The
+    draw is made where the generator lives: a request's generator is a CPU one, and ``torch.multinomial``
+    refuses a CPU generator with a GPU tensor, so ``p`` is then copied to the CPU for the draw (the
+    same draw as a CPU run from the same probabilities)."""
+    if generator is not None and generator.device != p.device:
+        return torch.multinomial(p.to(generator.device), 1, generator=generator)[0].to(p.device)
+    return torch.multinomial(p, 1, generator=generator)[0]
 
 
 def _target_ids(d2t: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -757,7 +767,8 @@ class DFlashDrafter(nn.Module):
 
     def context_features(self, features: torch.Tensor) -> torch.Tensor:
         """H_ctx = hidden_norm(fc(features)): [n, m*d] -> [n, d]."""
-        return self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
+        w = self.hidden_norm.weight
+        return self.hidden_norm(self.fc(features.to(device=w.device, dtype=w.dtype)))
 
     def project_context(self, features: torch.Tensor, positions: torch.Tensor):
         """Context rows [n, m*d] at positions [n] -> per layer (k, v) [Hkv, n, D]."""
@@ -794,7 +805,7 @@ class DFlashDrafter(nn.Module):
         ``start_pos[s] ..`` over ``caches[s]`` -> final-normed hidden [S, B, d]. Each row sees the
         entries of its own cache at positions < its start and its own block, bidirectionally."""
         S, B = x.shape[:2]
-        x = x.to(self.norm.weight.dtype)
+        x = x.to(device=self.norm.weight.device, dtype=self.norm.weight.dtype)
         dev = x.device
         starts = torch.as_tensor(list(start_pos), dtype=torch.long, device=dev).reshape(S)
         pos = starts.unsqueeze(1) + torch.arange(B, device=dev)

@@ -123,6 +123,8 @@ class MedusaProposer(Proposer):
         self.heads = MedusaHeads(cfg, target.tp, dtype=target.dtype)
         self.heads.load_state(sd)
         self.heads.eval().requires_grad_(False)
+        self.device = device = getattr(target, "device", "cpu")  # a TPRunner: CPU processes
+        self.heads.to(device)
         if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
             from specserve.engine.model_runner import pack_linears
 
@@ -134,7 +136,7 @@ class MedusaProposer(Proposer):
             full = (_full_lm_head_weight(target) if self.lm_head.tp_size > 1
                     else self.lm_head.weight.detach()[: tcfg.vocab_size])
             rows = self.heads.token_map
-            sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
+            sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype).to(device)
             with torch.no_grad():
                 sub.weight.copy_(full[rows].to(target.dtype))
             if getattr(target, "packed", False):
@@ -144,6 +146,7 @@ class MedusaProposer(Proposer):
             # heads are small and replicated: give them a full copy of the lm_head, never a gather
             full = ParallelLMHead(tcfg.vocab_size, tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
             full.weight_loader(full.weight, _full_lm_head_weight(target))
+            full.to(device)
             self.lm_head = full
         if cfg.head_vocab_size < self.topk:
             raise ValueError(f"medusa_topk ({self.topk}) exceeds the heads' draft vocabulary of {cfg.head_vocab_size}")
@@ -155,14 +158,15 @@ class MedusaProposer(Proposer):
         self.accuracy = self._head_accuracy(meta)
         temps = meta.get("head_temperatures") or []
         self.head_temperatures = torch.tensor(  # calibration of the heads' probabilities (1: none recorded)
-            [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)])
+            [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)],
+            device=device)
         self.tree = self._build_tree(target)
         if self.verify_mode == "auto":
             max_seqs = getattr(target, "max_num_seqs", 1)
             if self.tree is None:
                 _, sizes = profile_sizes(max_seqs, self.num_speculative_tokens)
             else:
-                self._candidates = self._candidate_index(self.tree)
+                self._candidates = self._candidate_index(self.tree, device)
                 _, sizes = tree_profile_sizes(max_seqs, self.tree.num_nodes - 1)
             self.verify_costs = measure_step_costs(target, sizes)
             log.info("Medusa auto verify: target cost %s ms",
@@ -229,7 +233,7 @@ class MedusaProposer(Proposer):
         return best[1]
 
     @staticmethod
-    def _candidate_index(tree: TreeBuffers) -> dict:
+    def _candidate_index(tree: TreeBuffers, device="cpu") -> dict:
         """The dynamic mode's candidate paths (``tree``'s rank paths, sorted by depth) as tensors:
         ``ranks`` [P, D] (each path's rank at each depth, 0 past its end), ``valid`` [P, D], ``depth`` [P]."""
         paths = tree.rank_paths
@@ -239,14 +243,14 @@ class MedusaProposer(Proposer):
         for i, p in enumerate(paths):
             ranks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
             valid[i, : len(p)] = True
-        return {"paths": paths, "ranks": ranks, "valid": valid, "depth": valid.sum(1)}
+        return {"paths": paths, "ranks": ranks.to(device), "valid": valid.to(device), "depth": valid.sum(1).to(device)}
 
     def _probs(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """[B, k, V'] head logits -> the heads' probabilities at each request's temperature (1 for
         greedy requests), each head's logits also divided by its calibration temperature
         (``head_temperatures`` in the checkpoint's config.json, fitted on held-out data by
         ``specserve train medusa``; 1 when absent). They only decide what to verify."""
-        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs])
+        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=logits.device)
         t = t.view(-1, 1, 1) * self.head_temperatures[: logits.shape[1]].view(1, -1, 1)
         return torch.softmax(logits.float() / t, dim=-1)
 
@@ -260,7 +264,7 @@ class MedusaProposer(Proposer):
         B, D = top_probs.shape[0], c["ranks"].shape[1]
         per_depth = top_probs[:, :D].gather(2, c["ranks"].t().unsqueeze(0).expand(B, D, -1))  # [B, D, P]
         score = torch.where(c["valid"].t().unsqueeze(0), per_depth, torch.ones_like(per_depth)).prod(1)
-        too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts).view(-1, 1)
+        too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts, device=score.device).view(-1, 1)
         score = torch.where(too_deep, torch.full_like(score, -1.0), score)
         return score.sort(dim=1, descending=True, stable=True)
 
@@ -291,7 +295,7 @@ class MedusaProposer(Proposer):
     def dummy_run(self, batch_size: int = 1) -> None:
         d = self.cfg.hidden_size
         with torch.inference_mode():
-            self.heads.logits(torch.zeros(batch_size, d, dtype=self.target.dtype), self.lm_head)
+            self.heads.logits(torch.zeros(batch_size, d, dtype=self.target.dtype, device=self.device), self.lm_head)
 
     # ---- per step -------------------------------------------------------------------------------
     def observe(self, seq, last_hidden, aux, reset) -> None:
@@ -350,7 +354,7 @@ def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, t
         score.append(score[par] + float(logp[par, tokens[i]]))
         if ok[i] and (tree._depth_list[i], score[i]) > (tree._depth_list[best], score[best]):
             best = i
-    noise = torch.empty(p.shape[-1]).exponential_(generator=generator)
+    noise = torch.empty(p.shape[-1], device=generator.device).exponential_(generator=generator).to(p.device)
     return tree.path_to(best), int((p[best] / noise).argmax())
 
 

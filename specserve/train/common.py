@@ -210,7 +210,7 @@ def start_run(args) -> TrainRun:
     timings = {"prompts_s": time.perf_counter() - t}
     t_distill = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
-              num_threads=args.threads)
+              num_threads=args.threads, device="cpu")  # the trainers run on the CPU
     return TrainRun(t_start, Path(cache_dir), parts, " + ".join(descs), llm, t_distill, timings)
 
 
