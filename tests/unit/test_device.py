@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.model_runner import resolve_device
+from specserve.engine.model_runner import resolve_device, resolve_dtype
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without a GPU")
 
@@ -58,3 +58,12 @@ def test_llm_reports_its_device(tiny_llama):
     llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32")
     assert llm.engine.device == "cpu" and llm.engine.runner.device == "cpu"
     assert llm.engine.runner.kv.k[0].device.type == "cpu"
+
+
+def test_auto_dtype_is_float32_on_cpu_bfloat16_on_gpu():
+    """float32 on CPU: greedy speculative decoding must give plain decoding's tokens exactly, and a bfloat16
+    k-token forward rounds differently from k one-token forwards."""
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16 == resolve_dtype("auto", "cuda:1")
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float16", "cuda") == torch.float16
