@@ -1,14 +1,13 @@
 """The tensor-parallel group, passed explicitly to every layer (never read from a global).
 
 ``TPGroup()`` is the single-process group: size 1, every collective a no-op. A real group wraps a
-``torch.distributed`` process group (gloo on CPU, NCCL on GPU). Each collective is counted, so tests
+``torch.distributed`` process group (gloo: the ranks are CPU processes). Each collective is counted, so tests
 and benchmarks can say how many collectives a step ran.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import socket
 from dataclasses import dataclass, field
 
@@ -65,7 +64,7 @@ def init_tp_group(rank: int, size: int, init_method: str, backend: str | None = 
     """Join the ``size``-process world and return its TP group (all ranks)."""
     if size == 1:
         return TPGroup()
-    backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("SPECSERVE_DEVICE") == "cuda" else "gloo")
+    backend = backend or "gloo"  # the TP ranks are CPU processes
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     group = dist.new_group(list(range(size)), backend=backend)
