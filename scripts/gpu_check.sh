@@ -4,7 +4,9 @@
 #          tiny random models, with every LLM on the GPU ($SPECSERVE_DEVICE=cuda); needs pytest-xdist
 #   bench  the shipped drafters on the default model on the GPU, greedy and at temperature 0.7
 # Usage: scripts/gpu_check.sh [tests|bench|all] (default all). Logs and JSON go to $OUT (default
-# ./gpu-check-out). $PROMPTS: the bench prompts (default chitchat-heldout); $PYTHON: the interpreter.
+# ./gpu-check-out). $PROMPTS: the bench prompts (default chitchat-heldout); $DTYPE: the bench dtype
+# (default float32, in which greedy outputs must equal plain decoding's; bfloat16 rounds a k-token forward
+# differently from k one-token forwards); $PYTHON: the interpreter.
 set -u
 what=${1:-all}
 out=${OUT:-gpu-check-out}
@@ -24,7 +26,7 @@ if [[ $what == tests || $what == all ]]; then
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [[ $what == bench || $what == all ]]; then
-  common=(--device cuda --dtype bfloat16 --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-20}" --max-tokens 128)
+  common=(--device cuda --dtype "${DTYPE:-float32}" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-20}" --max-tokens 128)
   timeout "${BENCH_TIMEOUT:-300}" $py -m specserve bench "${common[@]}" --json "$out/bench-t0.json" \
     --methods "${METHODS:-none,hf,ngram,medusa,medusa-tree-dynamic,medusa-tree-64,dspark,dspark-auto,dspark-tree,dspark-tree-16,dspark-tree-32,dspark-tree-64}" \
     2>&1 | tee "$out/bench-t0.log"
