@@ -201,13 +201,14 @@ def prompt_token_ids(tokenizer, prompt, chat: bool = True) -> list[int]:
 
 def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0.0, batch_size: int = 16,
                  seed: int = 0, chat: bool = True, cache_dir: str | os.PathLike | None = None,
-                 log=None) -> list[dict]:
+                 log=None, cache_chunk: int | None = None) -> list[dict]:
     """The target writes its own responses to ``prompts``: ``[{"prompt", "ids", "prompt_len"}]``, where
     ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
     ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching). ``temperature`` 0 is greedy; otherwise
     request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
     ``~/.cache/specserve/train``) under a key of the model, prompts and every argument, in chunks of
-    ``CACHE_CHUNK`` prompts (``cached_chunks``); pass ``cache_dir=False`` to disable the cache. A prompt
+    ``cache_chunk`` (default ``CACHE_CHUNK``) prompts (``cached_chunks``); pass ``cache_dir=False`` to disable
+    the cache. A prompt
     that leaves no room for ``max_tokens`` within the model's ``max_model_len`` is skipped (and counted
     in the log) rather than stopping the run."""
     if max_tokens < 1:
@@ -215,24 +216,30 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
     engine = llm.engine
     ids = [prompt_token_ids(llm.tokenizer, p, chat) for p in prompts]
     limit = engine.max_model_len - max_tokens
-    keep = [i for i, x in enumerate(ids) if len(x) <= limit]
-    if len(keep) < len(ids):
-        (log or print)(f"self-distillation: skipping {len(ids) - len(keep)} of {len(ids)} prompts longer than "
+    n_long = sum(len(x) > limit for x in ids)
+    if n_long:
+        (log or print)(f"self-distillation: skipping {n_long} of {len(ids)} prompts longer than "
                        f"{limit} tokens (max_model_len {engine.max_model_len} - max_tokens {max_tokens}; "
                        f"the longest has {max(len(x) for x in ids)})")
-        prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
     dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
     base = {"v": 2, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "max_tokens": max_tokens,
             "temperature": float(temperature)}
 
+    # chunks are cut from the prompt list before the skip, so that a longer list of prompts still begins
+    # with the same cache entries; a skipped prompt just leaves its chunk one shorter
+    def fits(start, part):
+        return [i for i, x in enumerate(part, start) if len(x) <= limit]
+
     def key(start, part):  # greedy responses do not depend on the seed
-        return {**base, "ids": part, "seed": seed + start if temperature > 0 else None}
+        return {**base, "ids": [ids[i] for i in fits(start, part)], "seed": seed + start if temperature > 0 else None}
 
     def compute(start, part):
-        return _generate(llm, prompts[start : start + len(part)], part, max_tokens, temperature, batch_size,
-                         seed + start, log)
+        keep = fits(start, part)
+        return _generate(llm, [prompts[i] for i in keep], [ids[i] for i in keep], max_tokens, temperature,
+                         batch_size, seed + start, log)
 
-    return [x for c in cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation") for x in c]
+    chunks = cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation", cache_chunk or CACHE_CHUNK)
+    return [x for c in chunks for x in c]
 
 
 def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log) -> list[dict]:

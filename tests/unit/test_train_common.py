@@ -132,6 +132,16 @@ def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path)
     assert [o["prompt"] for o in out] == [prompts[0], prompts[2]]
     assert all(len(o["ids"]) == o["prompt_len"] + 8 or o["ids"][-1] in llm.engine.eos_ids for o in out)
     assert any("skipping 1 of 3 prompts longer than 32 tokens" in m for m in logs)
+    # cache chunks are cut before the skip: more prompts reuse every whole chunk of a shorter run, also
+    # those after a skipped prompt (cutting after it would shift them: [p0 p2] [p3] -> [p0 p2] [p3 p4])
+    more = [prompts[0], prompts[1], "w6 w7", "w8", "w9 w10", "w11"]
+    first = self_distill(llm, more[:4], max_tokens=8, cache_dir=tmp_path / "c", chat=False, cache_chunk=2)
+    logs.clear()
+    second = self_distill(llm, more, max_tokens=8, cache_dir=tmp_path / "c", chat=False, cache_chunk=2,
+                          log=logs.append)
+    assert [m for m in logs if "cached" in m] == [m for m in logs if "(items 0..1)" in m or "(items 2..3)" in m]
+    assert len([m for m in logs if "cached" in m]) == 2
+    assert second[:3] == first and [o["prompt"] for o in second] == [more[i] for i in (0, 2, 3, 4, 5)]
     # a training run counts each source's samples as generated, not as asked for
     from types import SimpleNamespace
 
