@@ -14,7 +14,7 @@ class LLM:
     """An engine over one model.
 
     model: None (the embedded default model, SmolLM2-135M-Instruct), an HF directory or a .gguf file.
-    dtype: "auto" (bfloat16 where the CPU/GPU runs it natively, else float32), "float32", "bfloat16".
+    dtype: "auto" (bfloat16 on GPUs, float32 on CPUs: see ``resolve_dtype``), "float32", "bfloat16".
     tensor_parallel_size: processes the model is sharded over (gloo on CPU).
     device: "auto" (a CUDA GPU when torch sees one and tensor_parallel_size is 1, else the CPU;
         ``$SPECSERVE_DEVICE`` overrides), "cpu", "cuda" or "cuda:N".
@@ -24,7 +24,8 @@ class LLM:
                  speculative_config: dict | None = None, seed: int = 0, max_num_seqs: int = 16,
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
                  prefill_chunk: int = 512):
-        cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config),dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+        cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
+                           tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
                            prefill_chunk=prefill_chunk)
         self.engine = LLMEngine(model, cfg, device)

@@ -254,6 +254,7 @@ class TPRunner:
             self.shutdown()
             raise
         self.config, self.dtype, self.tp = self.local.config, self.local.dtype, self.local.tp
+        self.device = self.local.device  # "cpu": the ranks are gloo processes
         self.max_num_seqs = max_num_seqs
         self.model_dir = self.local.model_dir
         self.packed = self.local.packed

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+from specserve.engine.model_runner import synchronize
+
 
 def interp_cost(cost: dict[int, float], n: int) -> float:
     ks = sorted(cost)
@@ -58,10 +60,8 @@ def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[
 def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n
     (median of ``reps``), measured on the running device in slot 0 before any request runs."""
-    from specserve.engine.model_runner import synchronize
-
     ctx = 128
-    device = getattr(target, "device", "cpu")  # a TPRunner: CPU processes
+    device = target.device
     target.forward(0, [[0] * ctx], [0], "none")
     if device != "cpu":  # first launches of each shape (kernel selection, allocator) are not the cost
         for n in sizes:

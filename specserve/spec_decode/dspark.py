@@ -86,7 +86,7 @@ class DSparkDraftWorker:
         self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=runner.dtype, markov_replicate=markov_replicate)
         self.drafter.load_state(sd)
         self.drafter.eval().requires_grad_(False)
-        self.device = getattr(runner, "device", "cpu")  # the target's: its embedding, lm_head and features
+        self.device = runner.device  # the target's: its embedding, lm_head and features
         self.drafter.to(self.device)
         if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
             from specserve.engine.model_runner import pack_linears

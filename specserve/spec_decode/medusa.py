@@ -123,7 +123,7 @@ class MedusaProposer(Proposer):
         self.heads = MedusaHeads(cfg, target.tp, dtype=target.dtype)
         self.heads.load_state(sd)
         self.heads.eval().requires_grad_(False)
-        self.device = device = getattr(target, "device", "cpu")  # a TPRunner: CPU processes
+        self.device = device = target.device
         self.heads.to(device)
         if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
             from specserve.engine.model_runner import pack_linears

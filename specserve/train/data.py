@@ -231,7 +231,7 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
         return [i for i, x in enumerate(part, start) if len(x) <= limit]
 
     def key(start, part):  # greedy responses do not depend on the seed
-        return {**base, "ids": [ids[i] for i in fits(start, part)], "seed": seed + start if temperature > 0 else None}
+        return {**base, "ids": [x for x in part if len(x) <= limit], "seed": seed + start if temperature > 0 else None}
 
     def compute(start, part):
         keep = fits(start, part)
