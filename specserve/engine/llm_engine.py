@@ -195,6 +195,7 @@ class LLMEngine:
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
             self.metrics.record(trees[b].buffers.max_depth if trees[b] is not None else len(chains[b]), accepted)
+            self.proposer.verified(s, accepted)
             s.num_computed = starts[b] + 1 + accepted
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)

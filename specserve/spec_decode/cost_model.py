@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from specserve.engine.model_runner import synchronize
 
 
@@ -108,3 +110,121 @@ def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: 
     for p, b, k in order[:best_n]:
         lengths[b] += 1
     return lengths
+
+
+def sampling_key(params) -> tuple:
+    """The sampling settings that change how often drafts are accepted: greedy, or temperature with
+    top-k, top-p and min-p (rounded, so that near-equal settings share their statistics)."""
+    if params.greedy:
+        return ("greedy",)
+    return (round(float(params.temperature), 2), max(int(params.top_k), 0), round(float(params.top_p), 2),
+            round(float(params.min_p), 3))
+
+
+class AcceptanceCalibration:
+    """Online correction of the acceptance an "auto" mode predicts, from what verification observed.
+
+    An auto mode predicts for every draft it might verify the probability that the draft's whole path
+    is accepted (a chain's survival products, a tree node's path score) from its heads' or confidence
+    head's outputs. Those were fitted on greedy self-distilled data, so they can be far off for the
+    requests actually running: at temperature > 0 the target's own draw spreads over more tokens
+    than the one a draft carries, and prompts unlike the training data are harder. A wrong prediction
+    verifies drafts that fail, and drafting then slows decoding down.
+
+    Per sampling setting (``sampling_key``) and depth ``d`` this keeps exponentially decayed sums of
+    the predicted ``P(depth >= d accepted)`` over the verified drafts (the predicted scores of the
+    verified nodes at depth d: the nodes of one depth carry different tokens, so at most one of them
+    is accepted) and of the observed ``1[depth >= d accepted]``, and scales predictions at depth d
+    by ``r_1 = (observed_1 + prior) / (predicted_1 + prior)`` and, deeper,
+    ``r_d = min(r_{d-1}, (observed_d + prior r_{d-1}) / (predicted_d + prior))``: a depth without
+    evidence takes the factor of the depth above it, and a scaled path never scores above its parent
+    (every cut stays a prefix or a subtree). The sums decay
+    by ``decay`` at every step the setting runs, verified or not, so a setting that stopped drafting
+    returns to the prediction it started from and tries again.
+
+    Lossless: a step's choice reads the outcomes of earlier steps only, whose tokens are already
+    emitted; given them, the step's output has the target's distribution whatever it verifies.
+    """
+
+    def __init__(self, max_depth: int, decay: float = 0.98, prior: float = 2.0):
+        if not 0.0 < decay <= 1.0 or prior <= 0:
+            raise ValueError(f"decay must be in (0, 1] and prior > 0, got {decay}, {prior}")
+        self.max_depth, self.decay, self.prior = int(max_depth), float(decay), float(prior)
+        self._stats: dict[tuple, list[list[float]]] = {}  # key -> [predicted[d], observed[d]]
+        self._pending: dict[int, tuple[tuple, list[float]]] = {}  # seq id -> (key, predicted per depth)
+
+    def factors(self, key: tuple) -> list[float]:
+        """``r_1 .. r_D`` of ``key`` (all 1 before any observation)."""
+        st = self._stats.get(key)
+        if st is None:
+            return [1.0] * self.max_depth
+        out: list[float] = []
+        for pred, obs in zip(*st):
+            above = out[-1] if out else 1.0  # a depth's prior: the factor of the depth above it
+            r = (obs + self.prior * above) / (pred + self.prior)
+            out.append(min(above, r) if out else r)
+        return out
+
+    def begin_step(self, keys) -> None:
+        """Decay the sums of every setting running in this step."""
+        for key in set(keys):
+            st = self._stats.setdefault(key, [[0.0] * self.max_depth, [0.0] * self.max_depth])
+            for row in st:
+                row[:] = [x * self.decay for x in row]
+
+    def expect(self, seq_id: int, key: tuple, predicted: list[float]) -> None:
+        """What the step verifies for ``seq_id``: ``predicted[d-1]`` the summed unscaled predictions of
+        its verified drafts at depth d (nothing verified: nothing to learn, nothing kept)."""
+        if any(predicted):
+            self._pending[seq_id] = (key, [float(x) for x in predicted[: self.max_depth]])
+        else:
+            self._pending.pop(seq_id, None)
+
+    def observe(self, seq_id: int, accepted: int) -> None:
+        """Verification accepted ``accepted`` drafts of ``seq_id``'s last expected step."""
+        item = self._pending.pop(seq_id, None)
+        if item is None:
+            return
+        key, predicted = item
+        st = self._stats.setdefault(key, [[0.0] * self.max_depth, [0.0] * self.max_depth])
+        for d, p in enumerate(predicted):
+            if p > 0.0:
+                st[0][d] += p
+                st[1][d] += 1.0 if accepted > d else 0.0
+
+
+def depth_sums(scores, depths, max_depth: int) -> list[float]:
+    """Summed ``scores`` per depth 1..max_depth (``depths[i]``: the depth of score i)."""
+    out = [0.0] * max_depth
+    for s, d in zip(scores, depths):
+        if 1 <= d <= max_depth:
+            out[d - 1] += float(s)
+    return out
+
+
+def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, survival: list[list[float]], verify_cost,
+                       draft_cost: float = 0.0) -> list[int]:
+    """``choose_verify_lengths`` for chains whose survival products go through ``calibration`` first
+    (None: as predicted); what each sequence verifies is recorded for the calibration to check."""
+    if calibration is None:
+        return choose_verify_lengths(survival, verify_cost, draft_cost)
+    keys = [sampling_key(s.params) for s in seqs]
+    calibration.begin_step(keys)
+    scaled = [[min(1.0, p * f) for p, f in zip(row, calibration.factors(k))] for row, k in zip(survival, keys)]
+    lengths = choose_verify_lengths(scaled, verify_cost, draft_cost)
+    for s, k, row, n in zip(seqs, keys, survival, lengths):
+        calibration.expect(s.seq_id, k, row[:n])
+    return lengths
+
+
+def calibrated_scores(calibration: "AcceptanceCalibration | None", seqs, scores, depth):
+    """Tree node (or path) scores ``[B, N]`` at depths ``depth`` (``[N]``, 1-based) scaled by each
+    sequence's calibration factors (capped at 1; negative scores, which mark excluded nodes, stay).
+    Starts the calibration's step."""
+    if calibration is None:
+        return scores
+    keys = [sampling_key(s.params) for s in seqs]
+    calibration.begin_step(keys)
+    f = torch.tensor([[1.0] + calibration.factors(k) for k in keys], dtype=scores.dtype, device=scores.device)
+    scale = f.gather(1, depth.clamp(0, calibration.max_depth).view(1, -1).expand(len(keys), -1).to(scores.device))
+    return torch.where(scores >= 0, (scores * scale).clamp(max=1.0), scores)

@@ -26,10 +26,16 @@ draft probabilities at the request's temperature otherwise) and each request ver
 nodes (always a subtree): ``dspark_tree`` an int verifies that many, ``"auto"`` as many as the cost
 model finds worth it (up to ``TREE_MAX_NODES``), per request and step.
 
-The cut depends on the drafter's confidences only, never on whether drafts will be accepted, so every
-mode is lossless, at any temperature (trees too: they are verified by ``verify_tree_greedy`` /
-``verify_tree_sample``). ``markov_replicate`` (default True) keeps the Markov head whole on every
-tensor-parallel rank (no collective per draft position); False shards it (for comparison).
+In both "auto" modes the predicted acceptance is first corrected online (``online_calibration``,
+default True: ``cost_model.AcceptanceCalibration``) by how often earlier steps with the same sampling
+settings accepted what it predicted (a confidence head fitted on greedy data overestimates acceptance
+at temperature > 0).
+
+The cut depends on the drafter's confidences and earlier steps' outcomes only, never on whether this
+step's drafts will be accepted, so every mode is lossless, at any temperature (trees too: they are
+verified by ``verify_tree_greedy`` / ``verify_tree_sample``). ``markov_replicate`` (default True)
+keeps the Markov head whole on every tensor-parallel rank (no collective per draft position); False
+shards it (for comparison).
 
 A batch drafts in one block forward: the sequences' contexts are padded and masked, the base logits are
 one GEMM, the Markov loop runs over the batch. Under tensor parallelism the drafter runs on every rank
@@ -49,8 +55,9 @@ import torch
 
 from specserve.engine.model_runner import synchronize
 from specserve.sample.tree import TreeBuffers, TreeCache
-from specserve.spec_decode.cost_model import (choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
-                                              tree_profile_sizes)
+from specserve.spec_decode.cost_model import (AcceptanceCalibration, calibrated_lengths, calibrated_scores,
+                                              choose_verify_lengths, depth_sums, interp_cost, measure_step_costs,
+                                              profile_sizes, sampling_key, tree_profile_sizes)
 from specserve.spec_decode.dspark_model import calibrate_confidences
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -190,7 +197,7 @@ class DSparkProposer(Proposer):
     def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
                  confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
-                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4):
+                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
@@ -226,6 +233,8 @@ class DSparkProposer(Proposer):
         self.markov_replicate = bool(markov_replicate)
         self.verify_costs: dict[int, float] | None = None
         self.draft_costs: dict[int, float] | None = None
+        self.online_calibration = bool(online_calibration)
+        self.calibration: AcceptanceCalibration | None = None  # the "auto" modes: set in load_model
 
     def load_model(self, target) -> None:
         if not self.model_path.exists():
@@ -248,6 +257,8 @@ class DSparkProposer(Proposer):
         self.vocab_size = target.config.vocab_size
         if self.verify_mode == "auto" or self.tree_size == "auto":
             self._profile(target)
+            if self.online_calibration:
+                self.calibration = AcceptanceCalibration(k)
 
     def _profile(self, target) -> None:
         """The cost tables of the "auto" modes, measured on the running device."""
@@ -310,9 +321,10 @@ class DSparkProposer(Proposer):
                 lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row))) for L, row in zip(lengths, below)]
             else:
                 surv = torch.cumprod(conf, dim=1).tolist()
-                lengths = choose_verify_lengths([row[:L] for row, L in zip(surv, lengths)],
-                                                lambda n: interp_cost(self.verify_costs, n),
-                                                self._draft_cost(len(rows), draft_s))
+                lengths = calibrated_lengths(self.calibration, [seqs[b] for b in rows],
+                                             [row[:L] for row, L in zip(surv, lengths)],
+                                             lambda n: interp_cost(self.verify_costs, n),
+                                             self._draft_cost(len(rows), draft_s))
         for r, b in enumerate(rows):
             chains[b] = tokens[r][: lengths[r]]
         draft_probs = None
@@ -338,7 +350,9 @@ class DSparkProposer(Proposer):
         draft_s = time.perf_counter() - t0
         limit = torch.tensor([budget[b] for b in rows], device=cand.depth.device)
         too_deep = cand.depth.view(1, -1) > limit.view(-1, 1)
-        scores = torch.where(too_deep, torch.full_like(cand.scores, -1.0), cand.scores)
+        calibrate = self.calibration  # dspark_tree="auto" (a fixed size chooses nothing)
+        scores = calibrated_scores(calibrate, [seqs[b] for b in rows], cand.scores, cand.depth)
+        scores = torch.where(too_deep, torch.full_like(scores, -1.0), scores)
         # a node never scores above its parent, which comes first: every prefix of this order is a subtree
         ranked, order = scores.sort(dim=1, descending=True, stable=True)
         order = order.cpu()  # read row by row below: one copy from a GPU, not one per row
@@ -351,10 +365,15 @@ class DSparkProposer(Proposer):
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
         tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
+        if calibrate is not None:  # what the calibration will check: the unscaled predictions per depth
+            raw, depth = cand.scores.cpu().tolist(), cand.depth.cpu().tolist()
         for r, b in enumerate(rows):
+            chosen = sorted(order[r, : counts[r]].tolist())  # candidate order: parents before children
+            if calibrate is not None:
+                calibrate.expect(seqs[b].seq_id, sampling_key(seqs[b].params),
+                                 depth_sums([raw[r][c] for c in chosen], [depth[c] for c in chosen], calibrate.max_depth))
             if counts[r] == 0:
                 continue
-            chosen = sorted(order[r, : counts[r]].tolist())  # candidate order: parents before children
             node = {c: i + 1 for i, c in enumerate(chosen)}
             shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
             trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))

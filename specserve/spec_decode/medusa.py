@@ -21,8 +21,11 @@ request's temperature (temperature 1 for greedy requests):
   tokens this step, and each request verifies its highest-scoring paths (a subtree: a path never
   scores above its parent), as many as the cost model finds worth it.
 
-Either way the choice reads the heads' outputs only, never the target's verdict, and the drafts are
-verified exactly as a fixed chain or tree would be: lossless.
+Either way the predicted acceptance is first corrected online (``online_calibration``, default True:
+``cost_model.AcceptanceCalibration``) by how often earlier steps with the same sampling settings
+accepted what it predicted: heads fitted on greedy data overestimate acceptance at temperature > 0.
+The choice reads the heads' outputs and earlier steps' outcomes only, never the target's verdict on
+the drafts it chooses, and the drafts are verified exactly as a fixed chain or tree would be: lossless.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import torch
 
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
-from specserve.spec_decode.cost_model import (TREE_SIZES, choose_verify_lengths, interp_cost, measure_step_costs,
-                                              profile_sizes, tree_profile_sizes)
+from specserve.spec_decode.cost_model import (TREE_SIZES, AcceptanceCalibration, calibrated_lengths, calibrated_scores,
+                                              choose_verify_lengths, depth_sums, interp_cost, measure_step_costs,
+                                              profile_sizes, sampling_key, tree_profile_sizes)
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -86,7 +90,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int | None = None, model: str | None = None, medusa_tree=None,
                  medusa_topk: int = 10, acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, medusa_verify: str = "full"):
+                 posterior_alpha: float = 0.3, medusa_verify: str = "full", online_calibration: bool = True):
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
         if medusa_verify not in VERIFY_MODES:
@@ -100,6 +104,8 @@ class MedusaProposer(Proposer):
         self.acceptance = acceptance
         self.verify_mode = medusa_verify
         self.verify_costs: dict[int, float] | None = None
+        self.online_calibration = bool(online_calibration)
+        self.calibration: AcceptanceCalibration | None = None  # medusa_verify="auto": set in load_model
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.tree: TreeBuffers | None = None
@@ -169,6 +175,8 @@ class MedusaProposer(Proposer):
                 self._candidates = self._candidate_index(self.tree, device)
                 _, sizes = tree_profile_sizes(max_seqs, self.tree.num_nodes - 1)
             self.verify_costs = measure_step_costs(target, sizes)
+            if self.online_calibration:
+                self.calibration = AcceptanceCalibration(self.num_speculative_tokens)
             log.info("Medusa auto verify: target cost %s ms",
                      {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
 
@@ -254,16 +262,22 @@ class MedusaProposer(Proposer):
         t = t.view(-1, 1, 1) * self.head_temperatures[: logits.shape[1]].view(1, -1, 1)
         return torch.softmax(logits.float() / t, dim=-1)
 
-    def path_scores(self, top_probs: torch.Tensor, max_drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def path_probs(self, top_probs: torch.Tensor) -> torch.Tensor:
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
-        (scores [B, P], order [B, P]): each request's candidate paths by decreasing score, the product
-        of the probabilities its heads give the path's tokens; paths deeper than the request's
-        ``max_drafts`` score -1. Equal scores keep depth order, so every prefix of the first n
-        paths is among them (a path never scores above its parent): each is a subtree."""
+        [B, P]: the product of the probabilities its heads give each candidate path's tokens."""
         c = self._candidates
         B, D = top_probs.shape[0], c["ranks"].shape[1]
         per_depth = top_probs[:, :D].gather(2, c["ranks"].t().unsqueeze(0).expand(B, D, -1))  # [B, D, P]
-        score = torch.where(c["valid"].t().unsqueeze(0), per_depth, torch.ones_like(per_depth)).prod(1)
+        return torch.where(c["valid"].t().unsqueeze(0), per_depth, torch.ones_like(per_depth)).prod(1)
+
+    def path_scores(self, probs: torch.Tensor, max_drafts: list[int], seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic trees: ``probs`` [B, P] (``path_probs``) -> (scores [B, P], order [B, P]): each
+        request's candidate paths by decreasing score, ``probs`` scaled by the online calibration of
+        the request's sampling settings (when it is on; this starts its step); paths deeper than the
+        request's ``max_drafts`` score -1. Equal scores keep depth order, so every prefix of the first
+        n paths is among them (a path never scores above its parent): each is a subtree."""
+        c = self._candidates
+        score = calibrated_scores(self.calibration, seqs, probs, c["depth"])
         too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts, device=score.device).view(-1, 1)
         score = torch.where(too_deep, torch.full_like(score, -1.0), score)
         return score.sort(dim=1, descending=True, stable=True)
@@ -276,15 +290,21 @@ class MedusaProposer(Proposer):
         D = self._candidates["ranks"].shape[1]
         top_p, top_i = self._probs(logits[:, :D], seqs).topk(self.topk, dim=-1)
         top = self.heads.to_target(top_i)  # [B, D, topk] target ids
-        score, order = self.path_scores(top_p, max_drafts)
+        raw = self.path_probs(top_p)
+        score, order = self.path_scores(raw, max_drafts, seqs)
         surv = [[x for x in row if x >= 0.0] for row in score.tolist()]
         counts = choose_verify_lengths(surv, lambda n: interp_cost(self.verify_costs, n))
         trees: list[TreeDraft | None] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
+            chosen = order[b, :n]
+            if self.calibration is not None:  # what the calibration will check: unscaled, per depth
+                self.calibration.expect(s.seq_id, sampling_key(s.params),
+                                        depth_sums(raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist(),
+                                                   self.calibration.max_depth))
             if n == 0:
                 trees.append(None)
                 continue
-            buf = self._subtrees.get(tuple(sorted(order[b, :n].tolist())))
+            buf = self._subtrees.get(tuple(sorted(chosen.tolist())))
             trees.append(TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf))
         return Proposal([[] for _ in seqs], trees=trees)
 
@@ -316,8 +336,8 @@ class MedusaProposer(Proposer):
             limits = list(inputs.max_drafts)
             if self.verify_mode == "auto":
                 surv = torch.cumprod(self._probs(chain, seqs).amax(-1), dim=1).tolist()
-                limits = choose_verify_lengths([row[: max(0, m)] for row, m in zip(surv, limits)],
-                                               lambda n: interp_cost(self.verify_costs, n))
+                limits = calibrated_lengths(self.calibration, seqs, [row[: max(0, m)] for row, m in zip(surv, limits)],
+                                            lambda n: interp_cost(self.verify_costs, n))
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
         if self._candidates is not None:
             return self._propose_dynamic(logits, seqs, list(inputs.max_drafts))

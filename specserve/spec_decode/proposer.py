@@ -52,6 +52,9 @@ class Proposer:
     # an opt-in LOSSY acceptance rule (tokens, logits, tree, params, generator) -> (nodes, extra),
     # used instead of exact verification for random rows; None = lossless verification
     lossy_verify = None
+    # an "auto" mode's online correction of its predicted acceptance
+    # (``specserve.spec_decode.cost_model.AcceptanceCalibration``), or None
+    calibration = None
 
     def load_model(self, target) -> None:
         """Attach to the target ``ModelRunner`` (share its embedding/lm_head, read its config)."""
@@ -64,6 +67,13 @@ class Proposer:
 
     def forget(self, seq) -> None:
         """``seq`` finished: drop any state kept for it."""
+
+    def verified(self, seq, accepted: int) -> None:
+        """Called after every verification of ``seq``'s drafts: ``accepted`` of them were accepted (the
+        outcome of a step whose tokens are now emitted; a drafter may learn from it for later steps).
+        This one feeds the drafter's ``calibration``, if it has one."""
+        if self.calibration is not None:
+            self.calibration.observe(seq.seq_id, accepted)
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         return Proposal([[] for _ in inputs.seqs])

@@ -76,23 +76,30 @@ def test_greedy_identical_to_plain(tiny_llama, small_vocab_model, tmp_path, meth
 
 
 @pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto"),
-                                           ("greedy", "tree")])
+                                           ("greedy", "tree"), ("probabilistic", "auto-calibrated"),
+                                           ("greedy", "tree-calibrated")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample, verify):
     """Many sequences draft together (batched blocks, one generator per row) at temperature 1; trees:
-    each row's own tree, sized by the cost model from the draft probabilities at temperature 1."""
+    each row's own tree, sized by the cost model from the draft probabilities at temperature 1;
+    ``-calibrated``: with the online calibration, whose choices follow earlier steps' outcomes."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
-    mode = {"dspark_tree": "auto"} if verify == "tree" else {"dspark_verify": verify}
+    mode = {"dspark_tree": "auto"} if verify.startswith("tree") else {"dspark_verify": verify.split("-")[0]}
+    calibrated = verify.endswith("-calibrated")
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
-        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, **mode})
-    if verify in ("auto", "tree"):  # a cost per verified token: lengths follow the confidences and differ by row
-        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.001}
+        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "online_calibration": calibrated,
+        **mode})
+    if verify != "full":  # a cost per verified token: lengths follow the confidences and differ by row
+        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * (0.0002 if calibrated else 0.001)}
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
     m = spec.get_metrics()
     assert m["num_accepted_tokens"] > 100
-    if verify == "auto":
+    if verify.startswith("auto"):
         assert 0 < m["num_draft_tokens"] < 4 * m["num_verify_steps"]
+    if calibrated:  # a random confidence head is far off: the calibration moved its predictions
+        f = spec.engine.proposer.calibration.factors((1.0, 0, 1.0, 0.0))[0]
+        assert not 0.67 < f < 1.5, f
     assert_same_distribution(a, b)
 
 
@@ -211,8 +218,8 @@ def test_choose_verify_lengths_is_the_best_choice():
 
 def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
-    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={
-        "method": "dspark", "model": str(drafter), "dspark_verify": "auto"})
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={  # the cost model alone
+        "method": "dspark", "model": str(drafter), "dspark_verify": "auto", "online_calibration": False})
     prop = llm.engine.proposer
     assert set(prop.draft_costs) == {1, 2, 4} and all(v > 0 for v in prop.draft_costs.values())
     assert min(prop.verify_costs) == 1 and max(prop.verify_costs) >= 4 * 5

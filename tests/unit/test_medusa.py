@@ -124,23 +124,29 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
 
 @pytest.mark.parametrize("tree, draft_vocab, verify", [
     (None, None, "full"), (8, None, "full"), (None, 10, "full"), (8, 10, "full"), (None, None, "auto"),
-    (8, 10, "auto")])
+    (8, 10, "auto"), (None, None, "auto-calibrated"), (8, 10, "auto-calibrated")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify):
+    """``auto``: the cost model's cut from the heads' probabilities alone; ``auto-calibrated``: with the
+    online calibration, whose choices follow the outcomes of earlier steps (random heads promise more
+    than they deliver, so it keeps changing what is verified)."""
     cfg = json.loads((small_vocab_model / "config.json").read_text())
     heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0,
                        draft_vocab=draft_vocab)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
                speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
-                                   "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify})
-    if verify == "auto":  # a cost per verified token: chains are cut by their confidences, row by row
-        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.15}
+                                   "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify[:4],
+                                   "online_calibration": verify == "auto-calibrated"})
+    if verify.startswith("auto"):  # a cost per verified token: chains are cut by their confidences, row by row
+        spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * (0.15 if verify == "auto" else 0.0002)}
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
     m = spec.get_metrics()
     assert m["num_accepted_tokens"] > 100  # drafts were really accepted
-    if verify == "auto" and tree is None:
+    if verify.startswith("auto") and tree is None:
         assert 0 < m["num_draft_tokens"] < 3 * m["num_verify_steps"]
+    if verify == "auto-calibrated":  # the calibration really scaled the heads' promises down
+        assert spec.engine.proposer.calibration.factors((1.0, 0, 1.0, 0.0))[0] < 0.5
     assert_same_distribution(a, b)
 
 
@@ -154,7 +160,9 @@ def test_auto_verify_cuts_chains_by_cost(tiny_llama, tiny_heads):
     full = LLM(model=str(tiny_llama), dtype="float32", speculative_config=cfg)
     full.generate(PROMPTS, params, use_tqdm=False)
     full_drafts = full.get_metrics()["num_draft_tokens"]
-    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={**cfg, "medusa_verify": "auto"})
+    # the cost model alone (test_calibration covers the online calibration of its predictions)
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={**cfg, "medusa_verify": "auto", "online_calibration": False})
     prop = llm.engine.proposer
     assert {1, 4} <= set(prop.verify_costs) and min(prop.verify_costs.values()) > 0
     for costs, check in (({1: 1.0, 1000: 1.0}, lambda m: m["num_draft_tokens"] == full_drafts),
@@ -180,7 +188,7 @@ def test_dynamic_tree_by_cost(tiny_llama, tiny_heads, kind, tree):
              LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM(model=str(tiny_llama), dtype="float32",
               speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "medusa_tree": tree,
-                                  "medusa_topk": 4, "medusa_verify": "auto"})
+                                  "medusa_topk": 4, "medusa_verify": "auto", "online_calibration": False})
     prop = llm.engine.proposer
     cand = prop._candidates["paths"]
     assert len(cand) == (6 if tree == 6 else 64)

@@ -1,0 +1,114 @@
+"""Online calibration of the "auto" modes' predicted acceptance (``cost_model.AcceptanceCalibration``):
+its arithmetic, and that a drafter whose heads promise more than verification finds verifies less."""
+
+import json
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.spec_decode.cost_model import AcceptanceCalibration, calibrated_lengths, depth_sums, sampling_key
+
+from test_dspark import write_random_drafter
+from test_medusa import make_heads
+
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+G = ("greedy",)
+
+
+def run_steps(cal, key, predicted, accepted, n, seq_id=1):
+    for _ in range(n):
+        cal.begin_step([key])
+        cal.expect(seq_id, key, predicted)
+        cal.observe(seq_id, accepted)
+
+
+def test_factors_follow_what_verification_accepts():
+    cal = AcceptanceCalibration(3, decay=0.98, prior=2.0)
+    assert cal.factors(G) == [1.0, 1.0, 1.0]
+    # predictions that verification bears out leave them as they are
+    run_steps(cal, G, [1.0, 1.0, 1.0], 3, 50)
+    assert cal.factors(G) == pytest.approx([1.0, 1.0, 1.0])
+    # promised 0.8 / 0.6 / 0.4, never accepted: the factors fall towards 0, never below it, never
+    # rising with depth; the (exact) formula of the first one
+    hot = (0.7, 0, 1.0, 0.0)
+    run_steps(cal, hot, [0.8, 0.6, 0.4], 0, 60)
+    f = cal.factors(hot)
+    pred = sum(0.8 * 0.98**i for i in range(60))
+    assert f[0] == pytest.approx(2.0 / (pred + 2.0))
+    assert 0 < f[2] <= f[1] <= f[0] < 0.1
+    assert cal.factors(G) == pytest.approx([1.0, 1.0, 1.0])  # settings keep their own statistics
+    # promised 0.2 / 0.1, both always accepted: the first factor rises above 1, the second stays below it
+    cold = (1.0, 0, 1.0, 0.0)
+    run_steps(cal, cold, [0.2, 0.1, 0.0], 2, 60)
+    f = cal.factors(cold)
+    assert f[0] > 3 and f[1] == f[0]  # depth 2 alone would rise further: capped by depth 1
+    assert f[2] == f[1]  # nothing verified at depth 3: no evidence, the factor of depth 2
+    # steps that verify nothing decay the evidence: the factors return to 1, so drafting is tried again
+    for _ in range(400):
+        cal.begin_step([hot])
+    assert cal.factors(hot)[0] > 0.95
+
+
+def test_expectations_are_kept_per_sequence_and_dropped():
+    cal = AcceptanceCalibration(2)
+    cal.begin_step([G])
+    cal.expect(1, G, [0.9, 0.9])
+    cal.expect(2, G, [0.0, 0.0])  # nothing verified: nothing to check
+    cal.observe(2, 0)
+    cal.observe(3, 0)  # no expectation: ignored
+    assert cal.factors(G) == [1.0, 1.0] and list(cal._pending) == [1]
+    cal.observe(1, 1)  # depth 1 accepted, depth 2 not
+    assert not cal._pending
+    f = cal.factors(G)
+    assert f[0] == pytest.approx(3.0 / 2.9) and f[1] == pytest.approx(2.0 * f[0] / 2.9)
+    assert depth_sums([0.5, 0.25, 0.25, 0.1], [1, 1, 2, 3], 2) == [0.75, 0.25]
+
+
+def test_sampling_key_and_calibrated_lengths():
+    class Seq:
+        def __init__(self, i, params):
+            self.seq_id, self.params = i, params
+
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
+    assert sampling_key(greedy) == G and sampling_key(hot) == (0.7, 0, 0.9, 0.0) != sampling_key(
+        SamplingParams(temperature=0.7))
+    seqs = [Seq(1, greedy), Seq(2, hot)]
+    cal = AcceptanceCalibration(3)
+    surv = [[0.9, 0.8, 0.7], [0.9, 0.8, 0.7]]
+    cost = lambda n: 1.0 + 0.3 * n  # noqa: E731
+    assert calibrated_lengths(cal, seqs, surv, cost) == calibrated_lengths(None, seqs, surv, cost) == [3, 3]
+    for _ in range(40):  # the sampled request's drafts keep failing
+        cal.observe(1, 3)
+        cal.observe(2, 0)
+        lengths = calibrated_lengths(cal, seqs, surv, cost)
+    assert lengths[0] == 3 and lengths[1] < 3
+
+
+@pytest.mark.parametrize("method", ["medusa-chain", "medusa-tree", "dspark"])
+def test_overconfident_drafter_verifies_less_with_calibration(tiny_llama, tmp_path, method):
+    """Random heads made sharp (high probabilities for tokens the target rarely samples) at temperature
+    1: without the calibration the cost model verifies what they promise; with it, after a few steps,
+    much less. The output stays the target's (the distribution tests run with the calibration on)."""
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    if method == "dspark":
+        spec = {"method": "dspark", "model": str(write_random_drafter(tmp_path / "d", tiny_llama, scale=1.5)),
+                "dspark_verify": "auto"}
+    else:
+        heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=3.0)
+        spec = {"method": "medusa", "model": str(heads), "medusa_verify": "auto", "medusa_topk": 3,
+                "medusa_tree": 8 if method == "medusa-tree" else None}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(3)]
+    drafted = {}
+    for on in (False, True):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={**spec, "online_calibration": on})
+        prop = llm.engine.proposer
+        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.2}
+        assert (prop.calibration is not None) == on
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        m = llm.get_metrics()
+        drafted[on] = m["num_draft_tokens"]
+        if on:
+            assert not prop.calibration._pending  # every expectation was checked or dropped
+            f = prop.calibration.factors(sampling_key(params[0]))
+            assert f[0] < 0.8, f
+    assert drafted[False] > 0 and drafted[True] < 0.6 * drafted[False], drafted
