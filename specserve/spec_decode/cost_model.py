@@ -140,9 +140,9 @@ class AcceptanceCalibration:
     by ``r_1 = (observed_1 + prior) / (predicted_1 + prior)`` and, deeper,
     ``r_d = min(r_{d-1}, (observed_d + prior r_{d-1}) / (predicted_d + prior))``: a depth without
     evidence takes the factor of the depth above it, and a scaled path never scores above its parent
-    (every cut stays a prefix or a subtree). The sums decay
-    by ``decay`` at every step the setting runs, verified or not, so a setting that stopped drafting
-    returns to the prediction it started from and tries again.
+    (every cut stays a prefix or a subtree). The sums decay by ``decay`` at every step the setting
+    runs, verified or not, so a setting that stopped drafting returns to the prediction it started
+    from and tries again.
 
     Lossless: a step's choice reads the outcomes of earlier steps only, whose tokens are already
     emitted; given them, the step's output has the target's distribution whatever it verifies.
