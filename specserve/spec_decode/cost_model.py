@@ -230,3 +230,42 @@ def calibrated_scores(calibration: "AcceptanceCalibration | None", seqs, scores,
     f = torch.tensor([[1.0] + calibration.factors(k) for k in keys], dtype=scores.dtype, device=scores.device)
     scale = f.gather(1, depth.clamp(0, calibration.max_depth).view(1, -1).expand(len(keys), -1).to(scores.device))
     return torch.where(scores >= 0, (scores * scale).clamp(max=1.0), scores)
+
+
+class DraftGate:
+    """Whether a sequence should draft at all this step ("auto" modes whose drafting is costly).
+
+    The cost model chooses what to verify once the drafts exist, so the drafting time is already spent
+    when it decides; on a request the drafter predicts badly it may verify little or nothing and the
+    step then costs more than a plain one. After each drafting step the gate compares the step's
+    expected tokens per second, ``(1 + expected accepted) / (verify(1 + n verified) + draft(1))``
+    from the (calibrated) predictions the choice used, with a plain step's ``1 / verify(1)``; when
+    drafting did not pay, the sequence skips drafting for the next ``backoff`` steps (1, doubling up
+    to ``max_backoff`` while probes keep failing, back to 1 once one pays). The choice reads earlier
+    steps only: lossless."""
+
+    def __init__(self, max_backoff: int = 16):
+        self.max_backoff = int(max_backoff)
+        self._state: dict[int, list[int]] = {}  # seq id -> [steps left to skip, next backoff]
+
+    def skip(self, seq_id: int) -> bool:
+        """True when ``seq_id`` sits this step out (counts the step)."""
+        st = self._state.get(seq_id)
+        if st is None or st[0] <= 0:
+            return False
+        st[0] -= 1
+        return True
+
+    def judge(self, seq_id: int, expected: float, num_verified: int, verify_cost, draft_cost: float) -> bool:
+        """Record whether this drafting step was worth its cost; returns that verdict."""
+        plain = max(verify_cost(1), 1e-12)
+        worth = (1.0 + expected) / max(verify_cost(1 + num_verified) + draft_cost, 1e-12) >= 1.0 / plain
+        st = self._state.setdefault(seq_id, [0, 1])
+        if worth:
+            st[:] = [0, 1]
+        else:
+            st[:] = [st[1], min(2 * st[1], self.max_backoff)]
+        return worth
+
+    def forget(self, seq_id: int) -> None:
+        self._state.pop(seq_id, None)

@@ -31,6 +31,9 @@ default True: ``cost_model.AcceptanceCalibration``) by how often earlier steps w
 settings accepted what it predicted (a confidence head fitted on greedy data overestimates acceptance
 at temperature > 0).
 
+They also skip drafting for a request for a few steps when its last drafting step did not pay for
+its drafting time (``draft_gate``, default True: ``cost_model.DraftGate``).
+
 The cut depends on the drafter's confidences and earlier steps' outcomes only, never on whether this
 step's drafts will be accepted, so every mode is lossless, at any temperature (trees too: they are
 verified by ``verify_tree_greedy`` / ``verify_tree_sample``). ``markov_replicate`` (default True)
@@ -55,7 +58,7 @@ import torch
 
 from specserve.engine.model_runner import synchronize
 from specserve.sample.tree import TreeBuffers, TreeCache
-from specserve.spec_decode.cost_model import (AcceptanceCalibration, calibrated_lengths, calibrated_scores,
+from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, calibrated_scores,
                                               choose_verify_lengths, depth_sums, interp_cost, measure_step_costs,
                                               profile_sizes, sampling_key, tree_profile_sizes)
 from specserve.spec_decode.dspark_model import calibrate_confidences
@@ -197,7 +200,8 @@ class DSparkProposer(Proposer):
     def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
                  confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
-                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True):
+                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True,
+                 draft_gate: bool = True):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
@@ -235,6 +239,8 @@ class DSparkProposer(Proposer):
         self.draft_costs: dict[int, float] | None = None
         self.online_calibration = bool(online_calibration)
         self.calibration: AcceptanceCalibration | None = None  # the "auto" modes: set in load_model
+        self.use_draft_gate = bool(draft_gate)
+        self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
 
     def load_model(self, target) -> None:
         if not self.model_path.exists():
@@ -259,6 +265,8 @@ class DSparkProposer(Proposer):
             self._profile(target)
             if self.online_calibration:
                 self.calibration = AcceptanceCalibration(k)
+            if self.use_draft_gate:
+                self.gate = DraftGate()
 
     def _profile(self, target) -> None:
         """The cost tables of the "auto" modes, measured on the running device."""
@@ -286,11 +294,14 @@ class DSparkProposer(Proposer):
 
     def forget(self, seq) -> None:
         self.target.call_helper(self.name, "forget", seq.seq_id)
+        if self.gate is not None:
+            self.gate.forget(seq.seq_id)
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         seqs = inputs.seqs
         budget = [max(0, min(m, self.num_speculative_tokens)) for m in inputs.max_drafts]
-        rows = [b for b, k in enumerate(budget) if k > 0]
+        rows = [b for b, k in enumerate(budget)
+                if k > 0 and not (self.gate is not None and self.gate.skip(seqs[b].seq_id))]
         chains: list[list[int]] = [[] for _ in seqs]
         if not rows:
             return Proposal(chains)
@@ -320,11 +331,14 @@ class DSparkProposer(Proposer):
                 below = (conf < self.threshold).tolist()
                 lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row))) for L, row in zip(lengths, below)]
             else:
-                surv = torch.cumprod(conf, dim=1).tolist()
-                lengths = calibrated_lengths(self.calibration, [seqs[b] for b in rows],
-                                             [row[:L] for row, L in zip(surv, lengths)],
+                surv = [row[:L] for row, L in zip(torch.cumprod(conf, dim=1).tolist(), lengths)]
+                lengths = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv,
                                              lambda n: interp_cost(self.verify_costs, n),
                                              self._draft_cost(len(rows), draft_s))
+                if self.gate is not None:
+                    for b, row, L in zip(rows, surv, lengths):
+                        f = self.calibration.factors(sampling_key(seqs[b].params)) if self.calibration else [1.0] * L
+                        self._judge(seqs[b], sum(min(1.0, p * x) for p, x in zip(row[:L], f)), L, draft_s)
         for r, b in enumerate(rows):
             chains[b] = tokens[r][: lengths[r]]
         draft_probs = None
@@ -361,6 +375,9 @@ class DSparkProposer(Proposer):
             counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],
                                            lambda n: interp_cost(self.verify_costs, n),
                                            self._draft_cost(len(rows), draft_s))
+            if self.gate is not None:
+                for b, v, n in zip(rows, valid, counts):
+                    self._judge(seqs[b], sum(v[:n]), n, draft_s)
         else:
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
@@ -378,6 +395,11 @@ class DSparkProposer(Proposer):
             shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
             trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
         return Proposal([[] for _ in seqs], trees=trees)
+
+    def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
+        """Tell the draft gate what this step's drafting is expected to give a single sequence."""
+        self.gate.judge(seq.seq_id, expected, num_verified, lambda n: interp_cost(self.verify_costs, n),
+                        self._draft_cost(1, draft_s))
 
     def _draft_cost(self, batch: int, measured: float) -> float:
         """This step's drafting time: the start-up table (less noisy than one measurement) when it has

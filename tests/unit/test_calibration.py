@@ -6,7 +6,8 @@ import json
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.cost_model import AcceptanceCalibration, calibrated_lengths, depth_sums, sampling_key
+from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, depth_sums,
+                                              sampling_key)
 
 from test_dspark import write_random_drafter
 from test_medusa import make_heads
@@ -112,3 +113,57 @@ def test_overconfident_drafter_verifies_less_with_calibration(tiny_llama, tmp_pa
             f = prop.calibration.factors(sampling_key(params[0]))
             assert f[0] < 0.8, f
     assert drafted[False] > 0 and drafted[True] < 0.6 * drafted[False], drafted
+
+
+def test_draft_gate_backs_off_while_drafting_does_not_pay():
+    gate = DraftGate(max_backoff=4)
+    cost = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731  a plain step costs 1, each verified draft 0.1
+    assert not gate.skip(7)
+    # expected 0.5 tokens for 2 verified drafts, drafting 0.2: 1.5 / (1.2 + 0.2) > 1 / 1: worth it
+    assert gate.judge(7, 0.5, 2, cost, 0.2) and not gate.skip(7)
+    assert not gate.judge(8, 0.3, 2, cost, 0.2)  # 1.3 / 1.4 < 1
+    # expected 0.05 for 1 draft: 1.05 / (1.1 + 0.2) < 1: skip 1 step, then (failing again) 2, 4, 4
+    pattern = []
+    for _ in range(4):
+        assert not gate.judge(7, 0.05, 1, cost, 0.2)
+        n = 0
+        while gate.skip(7):
+            n += 1
+        pattern.append(n)
+    assert pattern == [1, 2, 4, 4]
+    assert gate.judge(7, 1.0, 1, cost, 0.2) and not gate.skip(7)  # a probe that pays resets it
+    assert not gate.judge(7, 0.0, 0, cost, 0.2) and gate.skip(7) and not gate.skip(7)
+    gate.forget(7)
+    assert not gate.skip(7)
+
+
+@pytest.mark.parametrize("mode", [{"dspark_verify": "auto"}, {"dspark_tree": "auto"}])
+def test_draft_gate_stops_costly_drafting_that_does_not_pay(tiny_llama, tmp_path, mode):
+    """A random drafter whose drafting costs as much as a target step: with the gate, most steps do not
+    draft at all; without it (or with drafting for free) every step drafts. Greedy output unchanged."""
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, params, use_tqdm=False)]
+    share = {}
+    for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
+            "method": "dspark", "model": str(drafter), "draft_gate": gate, **mode})
+        prop = llm.engine.proposer
+        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.05}
+        prop.draft_costs = {1: draft_cost, 4: draft_cost}
+        drafted = [0]  # sequences that drafted, summed over steps
+        helper = prop.target.call_helper
+
+        def counting(name, method, *args, _helper=helper, _n=drafted):
+            if method in ("propose", "propose_tree"):
+                _n[0] += len(args[0])
+            return _helper(name, method, *args)
+
+        prop.target.call_helper = counting
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == plain
+        share[(gate, draft_cost)] = drafted[0] / llm.get_metrics()["num_verify_steps"]
+    # (the last step of each sequence has no draft budget)
+    assert share[(False, 1.0)] > 0.85 and share[(True, 0.0)] > 0.85, share
+    assert share[(True, 1.0)] < 0.5, share
