@@ -182,6 +182,10 @@ class AcceptanceCalibration:
         else:
             self._pending.pop(seq_id, None)
 
+    def expect_nodes(self, seq, scores, depths) -> None:
+        """``expect`` for ``seq`` verifying nodes of unscaled ``scores`` at ``depths`` (1-based)."""
+        self.expect(seq.seq_id, sampling_key(seq.params), depth_sums(scores, depths, self.max_depth))
+
     def observe(self, seq_id: int, accepted: int) -> None:
         """Verification accepted ``accepted`` drafts of ``seq_id``'s last expected step."""
         item = self._pending.pop(seq_id, None)
@@ -205,18 +209,21 @@ def depth_sums(scores, depths, max_depth: int) -> list[float]:
 
 
 def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, survival: list[list[float]], verify_cost,
-                       draft_cost: float = 0.0) -> list[int]:
+                       draft_cost: float = 0.0) -> tuple[list[int], list[float]]:
     """``choose_verify_lengths`` for chains whose survival products go through ``calibration`` first
-    (None: as predicted); what each sequence verifies is recorded for the calibration to check."""
+    (None: as predicted); what each sequence verifies is recorded for the calibration to check.
+    Returns (lengths, each sequence's expected accepted drafts: its chosen survival products, scaled)."""
     if calibration is None:
-        return choose_verify_lengths(survival, verify_cost, draft_cost)
-    keys = [sampling_key(s.params) for s in seqs]
-    calibration.begin_step(keys)
-    scaled = [[min(1.0, p * f) for p, f in zip(row, calibration.factors(k))] for row, k in zip(survival, keys)]
+        scaled = survival
+    else:
+        keys = [sampling_key(s.params) for s in seqs]
+        calibration.begin_step(keys)
+        scaled = [[min(1.0, p * f) for p, f in zip(row, calibration.factors(k))] for row, k in zip(survival, keys)]
     lengths = choose_verify_lengths(scaled, verify_cost, draft_cost)
-    for s, k, row, n in zip(seqs, keys, survival, lengths):
-        calibration.expect(s.seq_id, k, row[:n])
-    return lengths
+    if calibration is not None:
+        for s, k, row, n in zip(seqs, keys, survival, lengths):
+            calibration.expect(s.seq_id, k, row[:n])
+    return lengths, [sum(row[:n]) for row, n in zip(scaled, lengths)]
 
 
 def calibrated_scores(calibration: "AcceptanceCalibration | None", seqs, scores, depth):

@@ -59,8 +59,8 @@ import torch
 from specserve.engine.model_runner import synchronize
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, calibrated_scores,
-                                              choose_verify_lengths, depth_sums, interp_cost, measure_step_costs,
-                                              profile_sizes, sampling_key, tree_profile_sizes)
+                                              choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
+                                              tree_profile_sizes)
 from specserve.spec_decode.dspark_model import calibrate_confidences
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -332,13 +332,12 @@ class DSparkProposer(Proposer):
                 lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row))) for L, row in zip(lengths, below)]
             else:
                 surv = [row[:L] for row, L in zip(torch.cumprod(conf, dim=1).tolist(), lengths)]
-                lengths = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv,
-                                             lambda n: interp_cost(self.verify_costs, n),
-                                             self._draft_cost(len(rows), draft_s))
+                lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv,
+                                                    lambda n: interp_cost(self.verify_costs, n),
+                                                    self._draft_cost(len(rows), draft_s))
                 if self.gate is not None:
-                    for b, row, L in zip(rows, surv, lengths):
-                        f = self.calibration.factors(sampling_key(seqs[b].params)) if self.calibration else [1.0] * L
-                        self._judge(seqs[b], sum(min(1.0, p * x) for p, x in zip(row[:L], f)), L, draft_s)
+                    for b, gain, L in zip(rows, gains, lengths):
+                        self._judge(seqs[b], gain, L, draft_s)
         for r, b in enumerate(rows):
             chains[b] = tokens[r][: lengths[r]]
         draft_probs = None
@@ -364,8 +363,7 @@ class DSparkProposer(Proposer):
         draft_s = time.perf_counter() - t0
         limit = torch.tensor([budget[b] for b in rows], device=cand.depth.device)
         too_deep = cand.depth.view(1, -1) > limit.view(-1, 1)
-        calibrate = self.calibration  # dspark_tree="auto" (a fixed size chooses nothing)
-        scores = calibrated_scores(calibrate, [seqs[b] for b in rows], cand.scores, cand.depth)
+        scores = calibrated_scores(self.calibration, [seqs[b] for b in rows], cand.scores, cand.depth)
         scores = torch.where(too_deep, torch.full_like(scores, -1.0), scores)
         # a node never scores above its parent, which comes first: every prefix of this order is a subtree
         ranked, order = scores.sort(dim=1, descending=True, stable=True)
@@ -382,13 +380,12 @@ class DSparkProposer(Proposer):
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
         tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
-        if calibrate is not None:  # what the calibration will check: the unscaled predictions per depth
+        if self.calibration is not None:  # what the calibration will check: the unscaled predictions
             raw, depth = cand.scores.cpu().tolist(), cand.depth.cpu().tolist()
         for r, b in enumerate(rows):
             chosen = sorted(order[r, : counts[r]].tolist())  # candidate order: parents before children
-            if calibrate is not None:
-                calibrate.expect(seqs[b].seq_id, sampling_key(seqs[b].params),
-                                 depth_sums([raw[r][c] for c in chosen], [depth[c] for c in chosen], calibrate.max_depth))
+            if self.calibration is not None:
+                self.calibration.expect_nodes(seqs[b], [raw[r][c] for c in chosen], [depth[c] for c in chosen])
             if counts[r] == 0:
                 continue
             node = {c: i + 1 for i, c in enumerate(chosen)}

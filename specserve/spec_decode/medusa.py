@@ -40,8 +40,8 @@ import torch
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
 from specserve.spec_decode.cost_model import (TREE_SIZES, AcceptanceCalibration, calibrated_lengths, calibrated_scores,
-                                              choose_verify_lengths, depth_sums, interp_cost, measure_step_costs,
-                                              profile_sizes, sampling_key, tree_profile_sizes)
+                                              choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
+                                              tree_profile_sizes)
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -298,9 +298,7 @@ class MedusaProposer(Proposer):
         for b, (s, n) in enumerate(zip(seqs, counts)):
             chosen = order[b, :n]
             if self.calibration is not None:  # what the calibration will check: unscaled, per depth
-                self.calibration.expect(s.seq_id, sampling_key(s.params),
-                                        depth_sums(raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist(),
-                                                   self.calibration.max_depth))
+                self.calibration.expect_nodes(s, raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist())
             if n == 0:
                 trees.append(None)
                 continue
@@ -336,8 +334,9 @@ class MedusaProposer(Proposer):
             limits = list(inputs.max_drafts)
             if self.verify_mode == "auto":
                 surv = torch.cumprod(self._probs(chain, seqs).amax(-1), dim=1).tolist()
-                limits = calibrated_lengths(self.calibration, seqs, [row[: max(0, m)] for row, m in zip(surv, limits)],
-                                            lambda n: interp_cost(self.verify_costs, n))
+                limits, _ = calibrated_lengths(self.calibration, seqs,
+                                               [row[: max(0, m)] for row, m in zip(surv, limits)],
+                                               lambda n: interp_cost(self.verify_costs, n))
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
         if self._candidates is not None:
             return self._propose_dynamic(logits, seqs, list(inputs.max_drafts))

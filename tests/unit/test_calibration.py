@@ -77,12 +77,15 @@ def test_sampling_key_and_calibrated_lengths():
     cal = AcceptanceCalibration(3)
     surv = [[0.9, 0.8, 0.7], [0.9, 0.8, 0.7]]
     cost = lambda n: 1.0 + 0.3 * n  # noqa: E731
-    assert calibrated_lengths(cal, seqs, surv, cost) == calibrated_lengths(None, seqs, surv, cost) == [3, 3]
+    assert calibrated_lengths(cal, seqs, surv, cost) == calibrated_lengths(None, seqs, surv, cost) == (
+        [3, 3], [pytest.approx(2.4)] * 2)
     for _ in range(40):  # the sampled request's drafts keep failing
         cal.observe(1, 3)
         cal.observe(2, 0)
-        lengths = calibrated_lengths(cal, seqs, surv, cost)
+        lengths, gains = calibrated_lengths(cal, seqs, surv, cost)
     assert lengths[0] == 3 and lengths[1] < 3
+    assert lengths[1] == 0 or gains[1] < sum(surv[1][: lengths[1]])  # the sampled request's gains scaled down
+    assert 2.4 < gains[0] <= 3.0  # the greedy one's, always accepted, scaled up (each capped at 1)
 
 
 @pytest.mark.parametrize("method", ["medusa-chain", "medusa-tree", "dspark"])
