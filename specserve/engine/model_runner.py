@@ -21,7 +21,7 @@ import torch
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
-from specserve.layers.attention import ForwardContext
+from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.layers.linear import LinearBase, mkldnn_packing_available
 from specserve.models.llama import LlamaForCausalLM
@@ -59,12 +59,10 @@ def synchronize(device) -> None:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto``: bfloat16 on GPUs, float32 on CPUs. In bfloat16 a forward over k tokens rounds differently
-    from k one-token forwards (measured on the default model on CPU: logits differ by up to 0.56, mean
-    0.07; float32: 5e-5), so greedy speculative decoding can leave plain decoding's tokens at a near tie;
-    in float32 it gives them exactly, and on CPU it is also the faster choice for verification (oneDNN
-    pre-packs float32 weights on every x86 CPU, bfloat16 ones only with AVX512). Ask for "bfloat16"
-    explicitly to trade that for half the weight bytes."""
+    """``auto``: bfloat16 on GPUs, float32 on CPUs. In float32 a forward over k tokens differs from k
+    one-token forwards by ~5e-5 in the logits (default model), too little to move greedy tokens in
+    practice. "bfloat16" on CPU halves the weight bytes; there the forwards are made batch-invariant
+    (``make_batch_invariant``) so that chain verification reproduces one-token decoding bit for bit."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -78,6 +76,20 @@ def pack_linears(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.pack()
+
+
+ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count up to this
+
+
+def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) -> None:
+    """Make every linear, LM head and cached attention of ``module`` give each token's row the same
+    bits whatever else shares the forward (CPU, bfloat16, packed weights): verifying k tokens then
+    reproduces k one-token steps exactly, so greedy speculative decoding gives plain decoding's tokens
+    in bfloat16 as it does in float32. Costs extra GEMM calls for forwards over more than ``row_block``
+    rows (prefill, trees over 32 nodes, batches), nothing below."""
+    for m in module.modules():
+        if isinstance(m, (LinearBase, ParallelLMHead, Attention)):
+            m.row_block = row_block
 
 
 @dataclass
@@ -103,9 +115,14 @@ class ModelRunner:
         self.packed = device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype)
         if self.packed:
             pack_linears(self.model)
+        # bfloat16 on CPU: verification reproduces one-token decoding bit for bit (float32 needs no
+        # help: its row differences, ~5e-5 in the logits, do not move greedy tokens in practice)
+        self.batch_invariant = self.packed and self.dtype != torch.float32
+        if self.batch_invariant:
+            make_batch_invariant(self.model)
         cfg = self.config
         self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
-                          self.dtype, device)
+                          torch.float32 if self.batch_invariant else self.dtype, device)
         self.max_num_seqs = max_num_seqs
         self.helpers: dict[str, object] = {}
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
-from specserve.layers.linear import check_shape
+from specserve.layers.linear import check_shape, in_row_blocks
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,6 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         param.data[: self.vocab_end - self.vocab_start].copy_(loaded[self.vocab_start : self.vocab_end])
 
     packed = None  # oneDNN copy of the weight (CPU), set by ``pack``; the dense weight stays (tied embedding)
+    row_block = 0  # > 0: logits of at most this many rows per GEMM (``in_row_blocks``)
 
     def pack(self, batch_hint: int = 16) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
@@ -80,10 +81,12 @@ class LogitsProcessor(nn.Module):
         self.scale = scale
 
     def forward(self, head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        if head.packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, head.packed, head.bias, "none", [], "")
-        else:
-            logits = F.linear(hidden, head.weight, head.bias)
+        def gemm(rows):
+            if head.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(rows, head.packed, head.bias, "none", [], "")
+            return F.linear(rows, head.weight, head.bias)
+
+        logits = in_row_blocks(gemm, hidden, head.row_block)
         if head.tp_size > 1:
             logits = head.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

@@ -1,8 +1,10 @@
 """Speculative decoding on the real default model: greedy output identical to plain decoding."""
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
+from specserve.layers.linear import mkldnn_packing_available
 
 pytestmark = pytest.mark.slow
 
@@ -70,4 +72,30 @@ def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extr
         assert m["num_draft_tokens"] < 7 * m["num_verify_steps"]
     else:
         assert m["num_accepted_tokens"] > 0
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def default_llm_bf16():
+    llm = LLM(dtype="bfloat16")
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.skipif(not mkldnn_packing_available(torch.bfloat16), reason="no bfloat16 weight packing on this CPU")
+@pytest.mark.parametrize("spec", [
+    {"method": "medusa", "medusa_verify": "auto"},
+    {"method": "dspark", "dspark_verify": "full"},
+    {"method": "dspark", "dspark_verify": "auto"},
+])
+def test_bfloat16_greedy_identical_to_plain(default_llm_bf16, spec):
+    """In bfloat16 on CPU the forwards are batch-invariant (``make_batch_invariant``), so verifying a
+    chain gives plain bfloat16 decoding's tokens exactly, not just away from near ties."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = default_llm_bf16.chat(CHATS, params, use_tqdm=False)
+    llm = LLM(dtype="bfloat16", speculative_config=spec)
+    out = llm.chat(CHATS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, plain, out):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
     llm.shutdown()

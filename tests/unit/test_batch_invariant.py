@@ -1,0 +1,66 @@
+"""Batch-invariant bfloat16 forwards on CPU: a token's logits get the same bits whether it is decoded
+alone or verified with others (in a chain, beside another sequence, or in a prefill)."""
+
+import pytest
+import torch
+
+from specserve.engine.model_runner import ROW_BLOCK, ModelRunner
+from specserve.layers.linear import in_row_blocks, mkldnn_packing_available
+
+needs_bf16 = pytest.mark.skipif(not mkldnn_packing_available(torch.bfloat16),
+                                reason="this CPU cannot pack bfloat16 weights (no AVX512)")
+
+
+def test_in_row_blocks_applies_fn_to_blocks_of_rows():
+    x = torch.arange(2 * 37 * 3, dtype=torch.float32).view(2, 37, 3)
+    sizes = []
+
+    def fn(rows):
+        sizes.append(rows.shape[0])
+        return rows.sum(-1, keepdim=True) * 2
+
+    out = in_row_blocks(fn, x, 32)
+    assert sizes == [32, 32, 10]
+    assert torch.equal(out, x.sum(-1, keepdim=True) * 2)
+    sizes.clear()
+    assert torch.equal(in_row_blocks(fn, x, 0), x.sum(-1, keepdim=True) * 2) and len(sizes) == 1  # whole
+
+
+def _singles(runner, slot, prompt, cont):
+    runner.forward(slot, [prompt], [0], "none")
+    return torch.stack([runner.forward(slot, [[t]], [len(prompt) + i]).logits[0] for i, t in enumerate(cont)])
+
+
+def _differing_rows(a, b):
+    return [i for i in range(a.shape[0]) if not torch.equal(a[i], b[i])]
+
+
+@needs_bf16
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_verification_reproduces_one_token_steps_bit_for_bit(model, tiny_llama, default_model_dir):
+    torch.set_num_threads(2)  # the threaded kernels too
+    path = tiny_llama if model == "tiny" else default_model_dir
+    runner = ModelRunner(path, dtype="bfloat16", max_num_seqs=3)
+    assert runner.batch_invariant and runner.kv.dtype == torch.float32
+    vocab = runner.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (37,), generator=g).tolist()
+    cont = torch.randint(3, vocab, (2 * ROW_BLOCK + 6,), generator=g).tolist()  # several row blocks
+    P = len(prompt)
+    singles = _singles(runner, 0, prompt, cont)
+    for k in (1, 7, ROW_BLOCK, ROW_BLOCK + 1, len(cont)):  # chains, within and across row blocks
+        runner.forward(1, [prompt], [0], "none")
+        out = runner.forward(1, [cont[:k]], [P], "all").logits[0]
+        assert _differing_rows(out, singles[:k]) == [], k
+    # batched with another sequence of another length, and inside a prefill
+    runner.forward(1, [prompt[:20]], [0], "none")
+    runner.forward(2, [prompt], [0], "none")
+    out = runner.forward(1, [cont[:9], cont[:12]], [20, P], "all").logits[1]
+    assert _differing_rows(out, singles[:12]) == []
+    out = runner.forward(2, [prompt + cont[:10]], [0], "all").logits[0][P:]
+    assert _differing_rows(out, singles[:10]) == []
+
+
+def test_float32_runner_keeps_sdpa_and_its_cache_dtype(tiny_llama):
+    runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
+    assert not runner.batch_invariant and runner.kv.dtype == torch.float32
