@@ -11,7 +11,6 @@ length is just ``num_computed``."""
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import deque
 
@@ -27,8 +26,6 @@ from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_s
 from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.tokenizer import Tokenizer
-
-log = logging.getLogger("specserve.engine")
 
 
 def path_tree(k: int) -> TreeBuffers:
@@ -61,12 +58,6 @@ class LLMEngine:
         self.eos_ids = list(dict.fromkeys(eos))
         self.proposer = build_proposer(cfg.speculative)
         self.proposer.load_model(self.runner)
-        opts = cfg.speculative.options if cfg.speculative else {}
-        if self.runner.dtype != torch.float32 and any(opts.get(k) is not None for k in ("medusa_tree", "dspark_tree")):
-            log.warning("draft trees in %s: a tree's nodes see their ancestors at other cache offsets than one-token "
-                        "decoding would, so their logits round differently and greedy output can leave plain "
-                        "decoding's tokens at near ties (float32, or chains in bfloat16 on CPU, give them exactly)",
-                        str(self.runner.dtype).removeprefix("torch."))
         self.metrics = SpecMetrics()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -82,14 +82,18 @@ ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row co
 
 
 def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) -> None:
-    """Make every linear, LM head and cached attention of ``module`` give each token's row the same
-    bits whatever else shares the forward (CPU, bfloat16, packed weights): verifying k tokens then
-    reproduces k one-token steps exactly, so greedy speculative decoding gives plain decoding's tokens
-    in bfloat16 as it does in float32. Costs extra GEMM calls for forwards over more than ``row_block``
-    rows (prefill, trees over 32 nodes, batches), nothing below."""
+    """Make every linear, LM head and attention of ``module`` give each token the same bits whatever
+    else shares the forward (CPU, bfloat16, packed weights): verifying a chain or a tree of k tokens then
+    reproduces k one-token steps, so greedy speculative decoding gives plain decoding's tokens in
+    bfloat16 as it does in float32. GEMMs run in blocks of at most ``row_block`` rows (exact by
+    construction: each row's bits are the kernel's for any row count up to 32); attention runs in
+    float64 (``Attention.forward``). Costs extra GEMM calls for forwards over more than ``row_block``
+    rows (prefill, trees over 32 nodes, batches), and the float64 attention ~5% of a decoding step."""
     for m in module.modules():
-        if isinstance(m, (LinearBase, ParallelLMHead, Attention)):
+        if isinstance(m, (LinearBase, ParallelLMHead)):
             m.row_block = row_block
+        elif isinstance(m, Attention):
+            m.float64 = True
 
 
 @dataclass
@@ -122,7 +126,7 @@ class ModelRunner:
             make_batch_invariant(self.model)
         cfg = self.config
         self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
-                          torch.float32 if self.batch_invariant else self.dtype, device)
+                          self.dtype, device)
         self.max_num_seqs = max_num_seqs
         self.helpers: dict[str, object] = {}
 

@@ -39,6 +39,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
+        self.float64 = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
         self.row_block = 0  # > 0: batch-invariant attention (``make_batch_invariant``), GEMMs of <= this many rows
 
     def forward(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
@@ -62,9 +63,17 @@ class Attention(nn.Module):
                 return self._invariant(q, kc, vc, ctx)
             keys, vals = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
             mask, causal = ctx.mask, ctx.is_causal
-        out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
-        )
+        if self.float64:
+            # Products of bfloat16 (or float32) values are exact in float64 and its sums err by ~1e-16:
+            # the order in which a kernel adds them (which depends on the query count, the key count and,
+            # in a tree, where a node's ancestors sit in the cache) no longer shows in the output once it
+            # is rounded back to bfloat16 (steps of ~4e-3), short of a value within ~1e-16 of a tie.
+            out = F.scaled_dot_product_attention(q.double(), keys.double(), vals.double(), attn_mask=mask,
+                                                 is_causal=causal, scale=self.scale, enable_gqa=self.gqa).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
+            )
         return out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)
 
     def _invariant(self, q, kc, vc, ctx: ForwardContext) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Batch-invariant bfloat16 forwards on CPU: a token's logits get the same bits whether it is decoded
-alone or verified with others (in a chain, beside another sequence, or in a prefill)."""
+alone or verified with others (in a chain, in a tree, beside another sequence, or in a prefill)."""
 
 import pytest
 import torch
@@ -41,7 +41,7 @@ def test_verification_reproduces_one_token_steps_bit_for_bit(model, tiny_llama, 
     torch.set_num_threads(2)  # the threaded kernels too
     path = tiny_llama if model == "tiny" else default_model_dir
     runner = ModelRunner(path, dtype="bfloat16", max_num_seqs=3)
-    assert runner.batch_invariant and runner.kv.dtype == torch.float32
+    assert runner.batch_invariant
     vocab = runner.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (37,), generator=g).tolist()
@@ -52,6 +52,27 @@ def test_verification_reproduces_one_token_steps_bit_for_bit(model, tiny_llama, 
         runner.forward(1, [prompt], [0], "none")
         out = runner.forward(1, [cont[:k]], [P], "all").logits[0]
         assert _differing_rows(out, singles[:k]) == [], k
+    # a random tree of 40 nodes (over a row block): each node sees its ancestors only, which sit at other
+    # cache offsets than in one-token decoding; every root-to-leaf path must give that path's own steps
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 40)]
+    tree = torch.randint(3, vocab, (40,), generator=g).tolist()
+    mask = torch.zeros(40, 40, dtype=torch.bool)
+    paths = []
+    for i in range(40):
+        path, j = [], i
+        while j >= 0:
+            mask[i, j] = True
+            path.insert(0, j)
+            j = parents[j]
+        paths.append(path)
+    runner.forward(1, [prompt], [0], "none")
+    out = runner.forward(1, [tree], [P], "all", tree_mask=[mask],
+                         positions=[[P + len(paths[i]) - 1 for i in range(40)]]).logits[0]
+    leaves = [i for i in range(40) if i not in parents]
+    assert max(len(paths[i]) for i in leaves) >= 4
+    for leaf in leaves[-3:]:
+        steps = _singles(runner, 2, prompt, [tree[j] for j in paths[leaf]])
+        assert _differing_rows(out[paths[leaf]], steps) == [], paths[leaf]
     # batched with another sequence of another length, and inside a prefill
     runner.forward(1, [prompt[:20]], [0], "none")
     runner.forward(2, [prompt], [0], "none")
@@ -61,6 +82,8 @@ def test_verification_reproduces_one_token_steps_bit_for_bit(model, tiny_llama, 
     assert _differing_rows(out, singles[:10]) == []
 
 
-def test_float32_runner_keeps_sdpa_and_its_cache_dtype(tiny_llama):
+def test_float32_runner_is_left_as_it_is(tiny_llama):
     runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
-    assert not runner.batch_invariant and runner.kv.dtype == torch.float32
+    assert not runner.batch_invariant
+    layer = runner.model.model.layers[0]
+    assert not layer.self_attn.attn.float64 and layer.mlp.down_proj.row_block == 0
