@@ -62,7 +62,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """``auto``: bfloat16 on GPUs, float32 on CPUs. In float32 a forward over k tokens differs from k
     one-token forwards by ~5e-5 in the logits (default model), too little to move greedy tokens in
     practice. "bfloat16" on CPU halves the weight bytes; there the forwards are made batch-invariant
-    (``make_batch_invariant``) so that chain verification reproduces one-token decoding bit for bit."""
+    (``make_batch_invariant``) so that verifying a chain or a tree reproduces one-token decoding."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":

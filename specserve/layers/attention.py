@@ -27,7 +27,6 @@ class ForwardContext:
     flat_b: torch.Tensor | None = None  # [B*Q] batch index of each new token
     flat_w: torch.Tensor | None = None  # [B*Q] write_idx flattened
     write_range: tuple[int, int] | None = None  # B == 1 and the new tokens go to [a, b): slice writes
-    invariant_mask: torch.Tensor | None = None  # batch-invariant attention's mask, built by its first layer
 
 
 class Attention(nn.Module):
@@ -40,7 +39,6 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
         self.float64 = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
-        self.row_block = 0  # > 0: batch-invariant attention (``make_batch_invariant``), GEMMs of <= this many rows
 
     def forward(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         """q [B, Q, H, D], k/v [B, Q, Hkv, D] -> [B, Q, H*D]."""
@@ -57,10 +55,8 @@ class Attention(nn.Module):
                 kc[0, :, a:b] = k[0].transpose(0, 1)
                 vc[0, :, a:b] = v[0].transpose(0, 1)
             else:
-                kc[ctx.flat_b, :, ctx.flat_w] = k.reshape(B * Q, self.num_kv_heads, self.head_dim).to(kc.dtype)
-                vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim).to(vc.dtype)
-            if self.row_block:
-                return self._invariant(q, kc, vc, ctx)
+                kc[ctx.flat_b, :, ctx.flat_w] = k.reshape(B * Q, self.num_kv_heads, self.head_dim)
+                vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim)
             keys, vals = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
             mask, causal = ctx.mask, ctx.is_causal
         if self.float64:
@@ -75,39 +71,3 @@ class Attention(nn.Module):
                 q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
             )
         return out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)
-
-    def _invariant(self, q, kc, vc, ctx: ForwardContext) -> torch.Tensor:
-        """Attention whose every query row gets the same bits however many queries (and sequences)
-        share the forward, so that verifying k tokens reproduces k one-token decoding steps exactly in
-        bfloat16. SDPA's kernels change their summation order with the query count and with a key
-        count that is not a multiple of their block. Here every query attends over the cache's whole
-        capacity (a multiple of 64; the entries past ``kv_len`` masked: exact zeros in every sum), in
-        float32 GEMMs of at most ``row_block`` rows (the cache is float32 in this mode), and only the
-        output is rounded to the model's dtype."""
-        B, H, Q, D = q.shape
-        L = kc.shape[2]
-        hkv, g, rb = self.num_kv_heads, H // self.num_kv_heads, self.row_block
-        bias = ctx.invariant_mask
-        if bias is None or bias.shape[-1] != L:  # additive mask, once per forward: 0 visible, -inf not
-            vis = torch.zeros(B, 1, 1, Q, L, dtype=torch.bool, device=q.device)
-            n = ctx.kv_len
-            if ctx.mask is not None:
-                vis[..., :n] = ctx.mask.view(B, 1, 1, Q, n)
-            elif ctx.is_causal:
-                vis[..., :n] = torch.ones(Q, n, dtype=torch.bool, device=q.device).tril(n - Q)
-            else:
-                vis[..., :n] = True
-            bias = ctx.invariant_mask = torch.zeros(vis.shape, device=q.device).masked_fill_(~vis, float("-inf"))
-        qg = (q.float() * self.scale).reshape(B, hkv, g * Q, D)  # each KV head with its query heads
-        kt = kc.transpose(-1, -2)
-        s = _row_blocks(lambda rows: torch.matmul(rows, kt), qg, rb).view(B, hkv, g, Q, L)
-        p = torch.softmax(s.add_(bias), dim=-1).view(B, hkv, g * Q, L)
-        out = _row_blocks(lambda rows: torch.matmul(rows, vc), p, rb)
-        return out.to(q.dtype).view(B, H, Q, D).transpose(1, 2).reshape(B, Q, H * D)
-
-
-def _row_blocks(fn, x: torch.Tensor, block: int) -> torch.Tensor:
-    """``fn`` over blocks of at most ``block`` rows of ``x`` (dim 2), concatenated."""
-    if x.shape[2] <= block:
-        return fn(x)
-    return torch.cat([fn(x[:, :, i : i + block]) for i in range(0, x.shape[2], block)], 2)
