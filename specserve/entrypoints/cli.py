@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="stream a short chat answer from the default model and report tokens/s")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    d.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 (default auto: float32 on CPU; bfloat16 on a CPU with AVX512 "
+                        "is batch-invariant, so speculative decoding still gives plain decoding's text)")
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="train a drafter on the target's own outputs",
@@ -343,7 +346,7 @@ def cmd_demo(args) -> int:
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
-        llm = LLM(num_threads=args.threads, speculative_config=spec)
+        llm = LLM(num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"))
         load_s = time.perf_counter() - t0
         try:
             import torch

@@ -113,3 +113,18 @@ def test_convert_default_gguf(tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_demo_in_bfloat16_gives_plain_decodings_text():
+    """``specserve demo --dtype bfloat16``: on a CPU that packs bfloat16 weights the forwards are
+    batch-invariant, so both drafters' answers are plain bfloat16 decoding's, token for token."""
+    import torch
+
+    from specserve.layers.linear import mkldnn_packing_available
+
+    if not mkldnn_packing_available(torch.bfloat16):
+        pytest.skip("no bfloat16 weight packing on this CPU")
+    r = specserve("demo", "--dtype", "bfloat16", "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(bfloat16, 2 CPU threads)") == 3
+    assert r.stdout.count("text identical") == 2 and "DIFFERENT" not in r.stdout, r.stdout
