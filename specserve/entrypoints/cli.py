@@ -11,7 +11,10 @@ import sys
 import time
 
 EXIT_USAGE = 2
-DEMO_QUESTION = "Explain in three sentences why the sky is blue."
+# a chat turn like the drafters' held-out prompts; the shipped drafters accept a little less on it than
+# their average over `specserve bench --prompts chitchat-heldout` (the former question, "Explain in three
+# sentences why the sky is blue.", was among their worst: tau 1.2 against ~1.9 on average)
+DEMO_QUESTION = "What do you like to do on weekends?"
 
 
 class CLIError(Exception):
@@ -371,6 +374,7 @@ def cmd_demo(args) -> int:
         same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
         print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
               f"mean acceptance length {tau:.2f}, text {same}")
+    print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
           "specserve bench --methods none,hf,ngram,medusa,medusa-tree-dynamic,dspark,dspark-auto,dspark-tree,dflash")
     return 0
