@@ -300,6 +300,15 @@ METHODS: dict[str, Callable[[], object]] = {
     # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth
     "dspark-tree": lambda: SpecserveMethod("dspark-tree", {"method": "dspark", "dspark_tree": "auto"}),
     "dflash-tree": lambda: SpecserveMethod("dflash-tree", {"method": "dflash", "dspark_tree": "auto"}),
+    # the same drafters with the n-gram continuation of the sequence as one more branch of every draft
+    # (``ngram_branch``: up to 5 prompt-lookup tokens)
+    "medusa-ngram": lambda: SpecserveMethod("medusa-ngram", {"method": "medusa", "ngram_branch": 5}),
+    "medusa-tree-ngram": lambda: SpecserveMethod("medusa-tree-ngram", {"method": "medusa", "medusa_tree": "auto",
+                                                                       "medusa_verify": "auto", "ngram_branch": 5}),
+    "dspark-ngram": lambda: SpecserveMethod("dspark-ngram", {"method": "dspark", "dspark_verify": "auto",
+                                                             "ngram_branch": 5}),
+    "dspark-tree-ngram": lambda: SpecserveMethod("dspark-tree-ngram", {"method": "dspark", "dspark_tree": "auto",
+                                                                       "ngram_branch": 5}),
 }
 
 

@@ -10,6 +10,7 @@ length is just ``num_computed``."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
+from specserve.spec_decode.ngram import add_branch, ngram_propose
 from specserve.tokenizer import Tokenizer
 
 
@@ -56,14 +58,16 @@ class LLMEngine:
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
-        self.proposer = build_proposer(cfg.speculative)
+        spec, self.ngram_branch = split_ngram_branch(cfg.speculative)
+        self.proposer = build_proposer(spec)
         self.proposer.load_model(self.runner)
         self.metrics = SpecMetrics()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "ngram_branch_tokens": 0, "ngram_branch_wins": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -146,9 +150,10 @@ class LLMEngine:
                 self.stats["prefill_tokens"] += len(s.prompt_ids)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
-    def _draft_budget(self, s: Sequence) -> int:
-        """Drafts worth verifying for ``s``: none past max_tokens or max_model_len."""
-        k = self.proposer.num_speculative_tokens
+    def _draft_budget(self, s: Sequence, k: int | None = None) -> int:
+        """Drafts worth verifying for ``s`` (at most ``k``, default the proposer's): none past max_tokens
+        or max_model_len."""
+        k = self.proposer.num_speculative_tokens if k is None else k
         if s.params.max_tokens is not None:
             k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
         return max(0, min(k, self.max_model_len - len(s) - 1))
@@ -163,6 +168,10 @@ class LLMEngine:
             prop = Proposal([[] for _ in seqs])
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
         trees = prop.trees if prop.has_trees else [None] * len(seqs)
+        own_nodes = [None] * len(seqs)  # with an n-gram branch: how many tree nodes the drafter proposed
+        if self.ngram_branch and prop.draft_probs is None and self.proposer.lossy_verify is None:
+            trees, own_nodes = self._add_ngram_branches(seqs, chains, trees)
+            prop = Proposal(chains, None, trees)
         if self.proposer.lossy_verify is not None:  # opt-in lossy acceptance: every random row as a tree
             trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c, path_tree(len(c)))
                      for s, c, t in zip(seqs, chains, trees)]
@@ -195,7 +204,11 @@ class LLMEngine:
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
             self.metrics.record(trees[b].buffers.max_depth if trees[b] is not None else len(chains[b]), accepted)
-            self.proposer.verified(s, accepted)
+            own = accepted
+            if own_nodes[b] is not None:  # the drafter's own nodes are a prefix of any accepted path
+                own = sum(1 for i in kept_idx[1:] if i < own_nodes[b])
+                self.stats["ngram_branch_wins"] += own < accepted
+            self.proposer.verified(s, own)
             s.num_computed = starts[b] + 1 + accepted
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
@@ -204,6 +217,32 @@ class LLMEngine:
             emitted_total += s.append_tokens(emitted)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _add_ngram_branches(self, seqs, chains, trees):
+        """``ngram_branch``: below each drafter's chain or tree, the n-gram (prompt lookup) continuation
+        of the sequence as one more branch (sharing the nodes whose tokens it repeats). The two drafters
+        miss on different tokens: chat answers repeat words of the prompt and of themselves, which a
+        trained drafter often does not predict. Verification stays lossless (deterministic drafts,
+        one-hot rule), whichever branch wins. Returns the trees and each row's count of drafter nodes."""
+        out_trees, own = [], []
+        for s, c, t in zip(seqs, chains, trees):
+            k = self._draft_budget(s, self.ngram_branch)
+            branch = ngram_propose(torch.tensor(s.all_ids, dtype=torch.long), k, 4, 1) if k else []
+            if t is None:
+                tokens, parents = [s.output_ids[-1]] + c, list(range(-1, len(c)))
+            else:
+                tokens, parents = list(t.tokens), list(t.buffers.parents)
+            n = len(tokens)
+            if branch:
+                tokens, parents = add_branch(tokens, parents, branch)
+            if len(tokens) == n:  # nothing new: leave the row as it was
+                out_trees.append(t)
+                own.append(None)
+                continue
+            self.stats["ngram_branch_tokens"] += len(tokens) - n
+            out_trees.append(TreeDraft(tokens, TreeBuffers.from_parents(parents)))
+            own.append(n)
+        return out_trees, own
 
     def _verify_trees(self, seqs, trees, chains, prop, logits, sb, starts):
         """Per sequence: (emitted tokens, indices of the new positions now kept in the cache)."""
@@ -250,3 +289,17 @@ class LLMEngine:
     def shutdown(self) -> None:
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
+
+
+def split_ngram_branch(spec):
+    """``speculative_config`` -> (the drafter's own config, ``ngram_branch``: n-gram draft tokens added
+    as one more branch of every draft, 0 = none). The option belongs to the engine, not to a drafter."""
+    if spec is None or "ngram_branch" not in spec.options:
+        return spec, 0
+    opts = dict(spec.options)
+    k = opts.pop("ngram_branch")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32:
+        raise ValueError(f"ngram_branch must be an int in 0..32 (n-gram draft tokens per step), got {k!r}")
+    if spec.method == "ngram" and k:
+        raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
+    return dataclasses.replace(spec, options=opts), k

@@ -342,10 +342,10 @@ def cmd_demo(args) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
-            ("Medusa (shipped heads, a draft tree chosen each step by the cost model, lossless)",
-             {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"}),
-            ("DSpark (shipped drafter, verify length from the cost model, lossless)",
-             {"method": "dspark", "dspark_verify": "auto"})]
+            ("Medusa (shipped heads, a draft tree chosen each step by the cost model, plus an n-gram branch, "
+             "lossless)", {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", "ngram_branch": 5}),
+            ("DSpark (shipped drafter, verify length from the cost model, plus an n-gram branch, lossless)",
+             {"method": "dspark", "dspark_verify": "auto", "ngram_branch": 5})]
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
@@ -376,7 +376,7 @@ def cmd_demo(args) -> int:
               f"mean acceptance length {tau:.2f}, text {same}")
     print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,hf,ngram,medusa,medusa-tree-dynamic,dspark,dspark-auto,dspark-tree,dflash")
+          "specserve bench --methods none,ngram,medusa-tree-dynamic,medusa-tree-ngram,dspark-auto,dspark-ngram,dflash")
     return 0
 
 

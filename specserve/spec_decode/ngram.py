@@ -39,3 +39,22 @@ class NgramProposer(Proposer):
             ids = torch.tensor(seq.all_ids, dtype=torch.long)
             chains.append(ngram_propose(ids, min(k, self.num_speculative_tokens), self.n_max, self.n_min))
         return Proposal(chains)
+
+
+def add_branch(tokens: list[int], parents: list[int], branch: list[int]) -> tuple[list[int], list[int]]:
+    """Insert the draft chain ``branch`` below the root of the tree (``tokens``, ``parents``: node 0 the
+    root) as a trie does: follow the existing children that carry its tokens, then append the rest as
+    new nodes (after every existing one, so ``parents[i] < i`` still holds). Returns new lists."""
+    tokens, parents = list(tokens), list(parents)
+    children: dict[tuple[int, int], int] = {}
+    for i in range(1, len(parents)):
+        children.setdefault((parents[i], tokens[i]), i)  # the first child with a token (verification's pick)
+    node = 0
+    for t in branch:
+        nxt = children.get((node, t))
+        if nxt is None:
+            tokens.append(t)
+            parents.append(node)
+            nxt = children[(node, t)] = len(tokens) - 1
+        node = nxt
+    return tokens, parents

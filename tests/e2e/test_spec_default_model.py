@@ -38,12 +38,13 @@ def test_ngram_greedy_identical_to_plain(default_llm_fp32):
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("tree", [None, "auto", 16])
-def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree):
+@pytest.mark.parametrize("tree, extra", [(None, {}), ("auto", {}), (16, {}), (None, {"ngram_branch": 5}),
+                                         ("auto", {"medusa_verify": "auto", "ngram_branch": 5})])
+def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra):
     """Chat prompts of different lengths (the heads were trained on chat answers)."""
     params = SamplingParams(temperature=0, max_tokens=40)
     plain = default_llm_fp32.chat(CHATS, params, use_tqdm=False)
-    llm = LLM(dtype="float32", speculative_config={"method": "medusa", "medusa_tree": tree})
+    llm = LLM(dtype="float32", speculative_config={"method": "medusa", "medusa_tree": tree, **extra})
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
@@ -59,6 +60,8 @@ def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree):
     ("dspark", {"dspark_verify": "auto"}),
     ("dspark", {"dspark_tree": 12}),
     ("dspark", {"dspark_tree": "auto"}),
+    ("dspark", {"dspark_verify": "auto", "ngram_branch": 5}),
+    ("dspark", {"dspark_tree": "auto", "ngram_branch": 5}),
 ])
 def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extra):
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -87,7 +90,7 @@ def default_llm_bf16():
     {"method": "medusa", "medusa_verify": "auto"},
     {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"},
     {"method": "dspark", "dspark_verify": "auto"},
-    {"method": "dspark", "dspark_tree": "auto"},
+    {"method": "dspark", "dspark_tree": "auto", "ngram_branch": 5},
 ])
 def test_bfloat16_greedy_identical_to_plain(default_llm_bf16, spec):
     """In bfloat16 on CPU the forwards are batch-invariant (``make_batch_invariant``), so verifying a
