@@ -300,15 +300,6 @@ METHODS: dict[str, Callable[[], object]] = {
     # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth
     "dspark-tree": lambda: SpecserveMethod("dspark-tree", {"method": "dspark", "dspark_tree": "auto"}),
     "dflash-tree": lambda: SpecserveMethod("dflash-tree", {"method": "dflash", "dspark_tree": "auto"}),
-    # the same drafters with the n-gram continuation of the sequence as one more branch of every draft
-    # (``ngram_branch``: up to 5 prompt-lookup tokens)
-    "medusa-ngram": lambda: SpecserveMethod("medusa-ngram", {"method": "medusa", "ngram_branch": 5}),
-    "medusa-tree-ngram": lambda: SpecserveMethod("medusa-tree-ngram", {"method": "medusa", "medusa_tree": "auto",
-                                                                       "medusa_verify": "auto", "ngram_branch": 5}),
-    "dspark-ngram": lambda: SpecserveMethod("dspark-ngram", {"method": "dspark", "dspark_verify": "auto",
-                                                             "ngram_branch": 5}),
-    "dspark-tree-ngram": lambda: SpecserveMethod("dspark-tree-ngram", {"method": "dspark", "dspark_tree": "auto",
-                                                                       "ngram_branch": 5}),
 }
 
 
@@ -320,16 +311,28 @@ SIZED_TREE = re.compile(r"(medusa|dspark|dflash)-tree-([1-9][0-9]*)")  # e.g. me
 TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspark_tree"}
 
 
+NGRAM_SUFFIX = "-ngram"  # e.g. medusa-tree-dynamic-ngram: that method plus ``ngram_branch: 5``
+
+
 def method_factory(name: str) -> Callable[[], object] | None:
-    """The runner factory of a method name: one of ``METHODS``, or ``{medusa,dspark,dflash}-tree-N``
-    (the shipped drafter with trees of N nodes, whatever verifying N tokens costs here)."""
+    """The runner factory of a method name: one of ``METHODS``, ``{medusa,dspark,dflash}-tree-N`` (the
+    shipped drafter with trees of N nodes, whatever verifying N tokens costs here), or either with the
+    suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``)."""
     if name in METHODS:
         return METHODS[name]
     m = SIZED_TREE.fullmatch(name)
     if m:
         method = m.group(1)
         return lambda: SpecserveMethod(name, {"method": method, TREE_OPTION[method]: int(m.group(2))})
-    return None
+    base = method_factory(name.removesuffix(NGRAM_SUFFIX)) if name.endswith(NGRAM_SUFFIX) else None
+    if base is None:
+        return None
+    runner = base()
+    spec = getattr(runner, "speculative_config", None)
+    if (not spec or spec["method"] == "ngram" or "ngram_branch" in spec
+            or spec.get("draft_sample_method") == "probabilistic"):
+        return None  # plain decoding, HF, the n-gram drafter, a branch already there, sampled drafts
+    return lambda: SpecserveMethod(name, {**spec, "ngram_branch": 5})
 
 
 def parse_methods(spec: str | list[str]) -> list[str]:
@@ -339,7 +342,8 @@ def parse_methods(spec: str | list[str]) -> list[str]:
     unknown = [m for m in names if method_factory(m) is None]
     if unknown:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
-                         "{medusa,dspark,dflash}-tree-N (trees of N nodes)")
+                         "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + '-ngram' (with an "
+                         "n-gram branch)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")

@@ -376,7 +376,7 @@ def cmd_demo(args) -> int:
               f"mean acceptance length {tau:.2f}, text {same}")
     print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,ngram,medusa-tree-dynamic,medusa-tree-ngram,dspark-auto,dspark-ngram,dflash")
+          "specserve bench --methods none,ngram,medusa-tree-dynamic-ngram,dspark-auto-ngram,dspark-tree-ngram,dflash")
     return 0
 
 

@@ -17,6 +17,21 @@ def test_bench_sized_tree_rows():
             parse_methods(bad)
 
 
+def test_bench_ngram_suffix_adds_the_branch_to_drafters_only():
+    from specserve.bench.harness import BenchError, method_factory, parse_methods
+
+    row = method_factory("medusa-tree-dynamic-ngram")()
+    assert row.name == "medusa-tree-dynamic-ngram"
+    assert row.speculative_config == {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto",
+                                      "ngram_branch": 5}
+    assert method_factory("dspark-tree-12-ngram")().speculative_config == {"method": "dspark", "dspark_tree": 12,
+                                                                             "ngram_branch": 5}
+    assert method_factory("dspark-auto-ngram")().speculative_config["dspark_verify"] == "auto"
+    for bad in ("none-ngram", "hf-ngram", "ngram-ngram", "dspark-prob-ngram", "medusa-ngram-ngram", "-ngram"):
+        with pytest.raises(BenchError, match="unknown method"):
+            parse_methods(bad)
+
+
 def test_bench_interleaves_methods_prompt_by_prompt():
     """All methods load first, then every prompt goes through every method (order rotating), and the
     results equal a one-method-after-the-other run; sessions are closed either way."""
