@@ -23,7 +23,7 @@ from specserve.engine.sequence import Sequence, Status
 from specserve.models.loader import resolve_model_dir
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
-from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_sample
+from specserve.sample.tree import TreeBuffers, TreeCache, verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.spec_decode.ngram import add_branch, ngram_propose
@@ -59,6 +59,7 @@ class LLMEngine:
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
         spec, self.ngram_branch = split_ngram_branch(cfg.speculative)
+        self._branch_trees = TreeCache(lambda parents: TreeBuffers.from_parents(list(parents)))  # shapes recur
         self.proposer = build_proposer(spec)
         self.proposer.load_model(self.runner)
         self.metrics = SpecMetrics()
@@ -240,7 +241,7 @@ class LLMEngine:
                 own.append(None)
                 continue
             self.stats["ngram_branch_tokens"] += len(tokens) - n
-            out_trees.append(TreeDraft(tokens, TreeBuffers.from_parents(parents)))
+            out_trees.append(TreeDraft(tokens, self._branch_trees.get(tuple(parents))))
             own.append(n)
         return out_trees, own
 

@@ -59,15 +59,14 @@ class Attention(nn.Module):
                 vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim)
             keys, vals = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
             mask, causal = ctx.mask, ctx.is_causal
+        dtype = q.dtype
         if self.float64:
             # Products of bfloat16 (or float32) values are exact in float64 and its sums err by ~1e-16:
             # the order in which a kernel adds them (which depends on the query count, the key count and,
             # in a tree, where a node's ancestors sit in the cache) no longer shows in the output once it
             # is rounded back to bfloat16 (steps of ~4e-3), short of a value within ~1e-16 of a tie.
-            out = F.scaled_dot_product_attention(q.double(), keys.double(), vals.double(), attn_mask=mask,
-                                                 is_causal=causal, scale=self.scale, enable_gqa=self.gqa).to(q.dtype)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
-            )
+            q, keys, vals = q.double(), keys.double(), vals.double()
+        out = F.scaled_dot_product_attention(
+            q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
+        ).to(dtype)
         return out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)

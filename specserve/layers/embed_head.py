@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
-from specserve.layers.linear import check_shape, in_row_blocks
+from specserve.layers.linear import check_shape, in_row_blocks, packed_or_dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -81,12 +81,8 @@ class LogitsProcessor(nn.Module):
         self.scale = scale
 
     def forward(self, head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        def gemm(rows):
-            if head.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(rows, head.packed, head.bias, "none", [], "")
-            return F.linear(rows, head.weight, head.bias)
-
-        logits = in_row_blocks(gemm, hidden, head.row_block)
+        logits = in_row_blocks(lambda rows: packed_or_dense_linear(rows, head.packed, head.weight, head.bias), hidden,
+                               head.row_block)
         if head.tp_size > 1:
             logits = head.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

@@ -6,6 +6,7 @@ import torch
 
 from specserve.engine.model_runner import ROW_BLOCK, ModelRunner
 from specserve.layers.linear import in_row_blocks, mkldnn_packing_available
+from specserve.sample.tree import TreeBuffers
 
 needs_bf16 = pytest.mark.skipif(not mkldnn_packing_available(torch.bfloat16),
                                 reason="this CPU cannot pack bfloat16 weights (no AVX512)")
@@ -56,19 +57,12 @@ def test_verification_reproduces_one_token_steps_bit_for_bit(model, tiny_llama, 
     # cache offsets than in one-token decoding; every root-to-leaf path must give that path's own steps
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 40)]
     tree = torch.randint(3, vocab, (40,), generator=g).tolist()
-    mask = torch.zeros(40, 40, dtype=torch.bool)
-    paths = []
-    for i in range(40):
-        path, j = [], i
-        while j >= 0:
-            mask[i, j] = True
-            path.insert(0, j)
-            j = parents[j]
-        paths.append(path)
+    buffers = TreeBuffers.from_parents(parents)
+    paths = [buffers.path_to(i) for i in range(40)]
     runner.forward(1, [prompt], [0], "none")
-    out = runner.forward(1, [tree], [P], "all", tree_mask=[mask],
-                         positions=[[P + len(paths[i]) - 1 for i in range(40)]]).logits[0]
-    leaves = [i for i in range(40) if i not in parents]
+    out = runner.forward(1, [tree], [P], "all", tree_mask=[buffers.attn_mask],
+                         positions=[buffers.position_ids(P).tolist()]).logits[0]
+    leaves = [i for i in range(40) if not buffers.children[i]]
     assert max(len(paths[i]) for i in leaves) >= 4
     for leaf in leaves[-3:]:
         steps = _singles(runner, 2, prompt, [tree[j] for j in paths[leaf]])
