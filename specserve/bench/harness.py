@@ -311,20 +311,27 @@ SIZED_TREE = re.compile(r"(medusa|dspark|dflash)-tree-([1-9][0-9]*)")  # e.g. me
 TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspark_tree"}
 
 
-NGRAM_SUFFIX = "-ngram"  # e.g. medusa-tree-dynamic-ngram: that method plus ``ngram_branch: 5``
+# e.g. medusa-tree-dynamic-ngram: that method plus ``ngram_branch: 5``; -ngramK: ``ngram_branch: K``;
+# -pool / -poolK: also earlier requests' continuations, 3 candidates of 12 / K tokens
+NGRAM_SUFFIX = re.compile(r"(.+)-(ngram|pool)([1-9][0-9]*)?")
+NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5},
+                        "pool": {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}}
 
 
 def method_factory(name: str) -> Callable[[], object] | None:
     """The runner factory of a method name: one of ``METHODS``, ``{medusa,dspark,dflash}-tree-N`` (the
     shipped drafter with trees of N nodes, whatever verifying N tokens costs here), or either with the
-    suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``)."""
+    suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``),
+    ``-ngramK`` (``ngram_branch: K``), ``-pool`` (3 continuations of up to 12 tokens, from the sequence
+    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``."""
     if name in METHODS:
         return METHODS[name]
     m = SIZED_TREE.fullmatch(name)
     if m:
         method = m.group(1)
         return lambda: SpecserveMethod(name, {"method": method, TREE_OPTION[method]: int(m.group(2))})
-    base = method_factory(name.removesuffix(NGRAM_SUFFIX)) if name.endswith(NGRAM_SUFFIX) else None
+    m = NGRAM_SUFFIX.fullmatch(name)
+    base = method_factory(m.group(1)) if m else None
     if base is None:
         return None
     runner = base()
@@ -332,7 +339,10 @@ def method_factory(name: str) -> Callable[[], object] | None:
     if (not spec or spec["method"] == "ngram" or "ngram_branch" in spec
             or spec.get("draft_sample_method") == "probabilistic"):
         return None  # plain decoding, HF, the n-gram drafter, a branch already there, sampled drafts
-    return lambda: SpecserveMethod(name, {**spec, "ngram_branch": 5})
+    opts = dict(NGRAM_SUFFIX_OPTIONS[m.group(2)])
+    if m.group(3):
+        opts["ngram_branch"] = int(m.group(3))
+    return lambda: SpecserveMethod(name, {**spec, **opts})
 
 
 def parse_methods(spec: str | list[str]) -> list[str]:
@@ -342,8 +352,9 @@ def parse_methods(spec: str | list[str]) -> list[str]:
     unknown = [m for m in names if method_factory(m) is None]
     if unknown:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
-                         "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + '-ngram' (with an "
-                         "n-gram branch)")
+                         "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + "
+                         "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
+                         "also from earlier requests)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")

@@ -26,7 +26,8 @@ from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import TreeBuffers, TreeCache, verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
-from specserve.spec_decode.ngram import add_branch, ngram_propose
+from specserve.spec_decode.cost_model import sampling_key
+from specserve.spec_decode.ngram import BranchAcceptance, NgramPool, graft, ngram_candidates
 from specserve.tokenizer import Tokenizer
 
 
@@ -58,8 +59,11 @@ class LLMEngine:
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
-        spec, self.ngram_branch = split_ngram_branch(cfg.speculative)
-        self._branch_trees = TreeCache(lambda parents: TreeBuffers.from_parents(list(parents)))  # shapes recur
+        spec, self.branch_opts = split_ngram_branch(cfg.speculative)
+        self.ngram_branch = self.branch_opts.tokens
+        self._branch_trees = TreeCache.by_parents()  # grafted shapes recur
+        self.branch_acceptance = BranchAcceptance(self.ngram_branch) if self.ngram_branch else None
+        self.ngram_pool = NgramPool() if self.ngram_branch and self.branch_opts.pool else None
         self.proposer = build_proposer(spec)
         self.proposer.load_model(self.runner)
         self.metrics = SpecMetrics()
@@ -163,16 +167,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         seqs = self.running
         budgets = [self._draft_budget(s) for s in seqs]
+        matches = self._ngram_matches(seqs) if self.ngram_branch else [[] for _ in seqs]
+        planned = self.proposer.plans_branches and self.ngram_branch
         if any(budgets):
-            prop = self.proposer.propose(ProposeInputs(seqs, budgets))
+            branches = [[self.branch_acceptance.draft((sampling_key(s.params), n, r), toks)
+                         for r, (toks, n) in enumerate(m)] for s, m in zip(seqs, matches)] if planned else None
+            prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
         else:
             prop = Proposal([[] for _ in seqs])
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
         trees = prop.trees if prop.has_trees else [None] * len(seqs)
-        own_nodes = [None] * len(seqs)  # with an n-gram branch: how many tree nodes the drafter proposed
-        if self.ngram_branch and prop.draft_probs is None and self.proposer.lossy_verify is None:
-            trees, own_nodes = self._add_ngram_branches(seqs, chains, trees)
+        own_nodes = prop.own_nodes or [None] * len(seqs)  # with branch nodes: how many are the drafter's
+        if (self.ngram_branch and not planned and prop.draft_probs is None
+                and self.proposer.lossy_verify is None):  # whole branches below the drafter's nodes
+            grafted = [graft(t, s.output_ids[-1], c, [toks for toks, _ in m], self._branch_trees)
+                       for s, c, t, m in zip(seqs, chains, trees, matches)]
+            trees, own_nodes = [g[0] for g in grafted], [g[1] for g in grafted]
             prop = Proposal(chains, None, trees)
+        self.stats["ngram_branch_tokens"] += sum(len(t.tokens) - o for t, o in zip(trees, own_nodes) if o is not None)
         if self.proposer.lossy_verify is not None:  # opt-in lossy acceptance: every random row as a tree
             trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c, path_tree(len(c)))
                      for s, c, t in zip(seqs, chains, trees)]
@@ -215,35 +227,24 @@ class LLMEngine:
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
                                       [a[b, idx] for a in out.aux], reset=False)
+            for r, (toks, n) in enumerate(matches[b]):
+                self.branch_acceptance.observe((sampling_key(s.params), n, r), toks, emitted)
             emitted_total += s.append_tokens(emitted)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
 
-    def _add_ngram_branches(self, seqs, chains, trees):
-        """``ngram_branch``: below each drafter's chain or tree, the n-gram (prompt lookup) continuation
-        of the sequence as one more branch (sharing the nodes whose tokens it repeats). The two drafters
-        miss on different tokens: chat answers repeat words of the prompt and of themselves, which a
-        trained drafter often does not predict. Verification stays lossless (deterministic drafts,
-        one-hot rule), whichever branch wins. Returns the trees and each row's count of drafter nodes."""
-        out_trees, own = [], []
-        for s, c, t in zip(seqs, chains, trees):
+    def _ngram_matches(self, seqs) -> list[list[tuple[list[int], int]]]:
+        """``ngram_branch``: each sequence's n-gram continuations, (tokens, matched n) each, from the
+        sequence itself and from ``ngram_pool`` (earlier requests), offered as more branches of the
+        drafter's chain or tree. The drafters miss on different tokens: chat answers repeat words of
+        the prompt, of themselves and of earlier answers, which a trained drafter often does not
+        predict. Verification stays lossless (deterministic drafts, one-hot rule), whichever wins."""
+        out = []
+        for s in seqs:
             k = self._draft_budget(s, self.ngram_branch)
-            branch = ngram_propose(torch.tensor(s.all_ids, dtype=torch.long), k, 4, 1) if k else []
-            if t is None:
-                tokens, parents = [s.output_ids[-1]] + c, list(range(-1, len(c)))
-            else:
-                tokens, parents = list(t.tokens), list(t.buffers.parents)
-            n = len(tokens)
-            if branch:
-                tokens, parents = add_branch(tokens, parents, branch)
-            if len(tokens) == n:  # nothing new: leave the row as it was
-                out_trees.append(t)
-                own.append(None)
-                continue
-            self.stats["ngram_branch_tokens"] += len(tokens) - n
-            out_trees.append(TreeDraft(tokens, self._branch_trees.get(tuple(parents))))
-            own.append(n)
-        return out_trees, own
+            ids = torch.tensor(s.all_ids, dtype=torch.long)
+            out.append(ngram_candidates(ids, k, self.branch_opts.candidates, self.ngram_pool) if k else [])
+        return out
 
     def _verify_trees(self, seqs, trees, chains, prop, logits, sb, starts):
         """Per sequence: (emitted tokens, indices of the new positions now kept in the cache)."""
@@ -280,6 +281,8 @@ class LLMEngine:
                 i += 1
                 continue
             self.proposer.forget(s)
+            if self.ngram_pool is not None:
+                self.ngram_pool.add(s.all_ids)
             last = self.running.pop()
             if last is not s:
                 self.runner.move_slot(last.slot, s.slot, last.num_computed)
@@ -292,15 +295,33 @@ class LLMEngine:
             self.runner.shutdown()
 
 
-def split_ngram_branch(spec):
-    """``speculative_config`` -> (the drafter's own config, ``ngram_branch``: n-gram draft tokens added
-    as one more branch of every draft, 0 = none). The option belongs to the engine, not to a drafter."""
-    if spec is None or "ngram_branch" not in spec.options:
-        return spec, 0
+@dataclasses.dataclass(frozen=True)
+class NgramBranchOptions:
+    """The engine's n-gram branches (``speculative_config`` keys): ``ngram_branch`` tokens per branch
+    (0: none), ``ngram_candidates`` branches per step (distinct continuations), ``ngram_pool``: also
+    match earlier requests' tokens, not only the sequence's own."""
+
+    tokens: int = 0
+    candidates: int = 1
+    pool: bool = False
+
+
+def split_ngram_branch(spec) -> tuple[object, NgramBranchOptions]:
+    """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``). The options belong
+    to the engine, not to a drafter."""
+    keys = ("ngram_branch", "ngram_candidates", "ngram_pool")
+    if spec is None or not any(k in spec.options for k in keys):
+        return spec, NgramBranchOptions()
     opts = dict(spec.options)
-    k = opts.pop("ngram_branch")
+    k, cands, pool = opts.pop("ngram_branch", 0), opts.pop("ngram_candidates", 1), opts.pop("ngram_pool", False)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32:
         raise ValueError(f"ngram_branch must be an int in 0..32 (n-gram draft tokens per step), got {k!r}")
+    if isinstance(cands, bool) or not isinstance(cands, int) or not 1 <= cands <= 8:
+        raise ValueError(f"ngram_candidates must be an int in 1..8 (n-gram branches per step), got {cands!r}")
+    if not isinstance(pool, bool):
+        raise ValueError(f"ngram_pool must be true or false, got {pool!r}")
+    if not k and ("ngram_candidates" in spec.options or pool):
+        raise ValueError("ngram_candidates and ngram_pool need ngram_branch (tokens per branch) > 0")
     if spec.method == "ngram" and k:
         raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
-    return dataclasses.replace(spec, options=opts), k
+    return dataclasses.replace(spec, options=opts), NgramBranchOptions(k, cands, pool)

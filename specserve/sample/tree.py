@@ -154,6 +154,11 @@ class TreeCache:
         self.build, self.size = build, size
         self._trees: OrderedDict = OrderedDict()
 
+    @classmethod
+    def by_parents(cls, size: int = 4096) -> "TreeCache":
+        """A cache keyed by the trees' parents tuples."""
+        return cls(lambda parents: TreeBuffers.from_parents(list(parents)), size)
+
     def get(self, key: Hashable) -> TreeBuffers:
         buf = self._trees.get(key)
         if buf is None:

@@ -62,6 +62,7 @@ from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, 
                                               choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
                                               tree_profile_sizes)
 from specserve.spec_decode.dspark_model import calibrate_confidences
+from specserve.spec_decode.ngram import graft, merge_branches, split_items
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 log = logging.getLogger("specserve.dspark")
@@ -229,6 +230,7 @@ class DSparkProposer(Proposer):
         self.tree_size = dspark_tree
         self.tree_topk, self.tree_beam = dspark_tree_topk, dspark_tree_beam
         self._trees = TreeCache(lambda parents: TreeBuffers.from_parents([-1, *parents]))
+        self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes
         self.model_path = Path(model)
         self.requested_k = num_speculative_tokens
         self.sample_method = draft_sample_method
@@ -306,7 +308,7 @@ class DSparkProposer(Proposer):
         if not rows:
             return Proposal(chains)
         if self.tree_size is not None:
-            return self._propose_trees(seqs, rows, budget)
+            return self._propose_trees(seqs, rows, budget, inputs.branches)
         probabilistic = self.sample_method == "probabilistic"
         temps, states = [], []
         for b in rows:
@@ -350,9 +352,15 @@ class DSparkProposer(Proposer):
                     draft_probs[b, :L] = blk.probs[r, :L].float()
         return Proposal(chains, draft_probs)
 
-    def _propose_trees(self, seqs, rows: list[int], budget: list[int]) -> Proposal:
+    @property
+    def plans_branches(self) -> bool:
+        """``dspark_tree: "auto"`` weighs the engine's n-gram branch tokens with its own candidates."""
+        return self.tree_size == "auto"
+
+    def _propose_trees(self, seqs, rows: list[int], budget: list[int], branches=None) -> Proposal:
         """Each request's best candidate nodes as a tree: a fixed number (``dspark_tree`` an int) or as
-        many as the cost model finds worth verifying (``"auto"``)."""
+        many as the cost model finds worth verifying (``"auto"``), then with the chosen nodes of its
+        n-gram ``branches`` (``ngram.merge_branches``) when the engine offers them."""
         temps = [None if seqs[b].params.greedy else float(seqs[b].params.temperature) for b in rows]
         t0 = time.perf_counter()
         cand = self.target.call_helper(
@@ -369,6 +377,16 @@ class DSparkProposer(Proposer):
         ranked, order = scores.sort(dim=1, descending=True, stable=True)
         order = order.cpu()  # read row by row below: one copy from a GPU, not one per row
         valid = [[x for x in row if x >= 0.0] for row in ranked.tolist()]
+        tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
+        items: list[list | None] = [None] * len(rows)
+        if branches and self.tree_size == "auto":
+            for r, b in enumerate(rows):
+                if branches[b]:
+                    paths: list[tuple] = []
+                    for t, p in zip(tokens[r], parents[r]):  # parents come before their children
+                        paths.append((paths[p] if p >= 0 else ()) + (t,))
+                    items[r] = merge_branches(paths, scores[r].tolist(), branches[b])
+                    valid[r] = [it[0] for it in items[r]]
         if self.tree_size == "auto":
             counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],
                                            lambda n: interp_cost(self.verify_costs, n),
@@ -379,19 +397,23 @@ class DSparkProposer(Proposer):
         else:
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
-        tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
+        own: list[int | None] = [None] * len(seqs)
         if self.calibration is not None:  # what the calibration will check: the unscaled predictions
             raw, depth = cand.scores.cpu().tolist(), cand.depth.cpu().tolist()
         for r, b in enumerate(rows):
-            chosen = sorted(order[r, : counts[r]].tolist())  # candidate order: parents before children
+            if items[r] is None:
+                chosen, extra = sorted(order[r, : counts[r]].tolist()), []  # candidate order: parents first
+            else:
+                chosen, extra = split_items(items[r], counts[r])
             if self.calibration is not None:
                 self.calibration.expect_nodes(seqs[b], [raw[r][c] for c in chosen], [depth[c] for c in chosen])
-            if counts[r] == 0:
-                continue
-            node = {c: i + 1 for i, c in enumerate(chosen)}
-            shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
-            trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
-        return Proposal([[] for _ in seqs], trees=trees)
+            if chosen:
+                node = {c: i + 1 for i, c in enumerate(chosen)}
+                shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
+                trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
+            if extra:
+                trees[b], own[b] = graft(trees[b], seqs[b].output_ids[-1], [], extra, self._grafted)
+        return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
 
     def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
         """Tell the draft gate what this step's drafting is expected to give a single sequence."""

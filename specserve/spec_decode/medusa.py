@@ -43,6 +43,7 @@ from specserve.spec_decode.cost_model import (TREE_SIZES, AcceptanceCalibration,
                                               choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
                                               tree_profile_sizes)
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+from specserve.spec_decode.ngram import graft, merge_branches, split_items
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 log = logging.getLogger("specserve.medusa")
@@ -111,6 +112,7 @@ class MedusaProposer(Proposer):
         self.tree: TreeBuffers | None = None
         self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
+        self._grafted = TreeCache.by_parents(SUBTREE_CACHE)  # subtrees with n-gram branch tokens
         self._hidden: dict[int, torch.Tensor] = {}
         if acceptance == "typical":
             self.lossy_verify = self._typical
@@ -286,25 +288,55 @@ class MedusaProposer(Proposer):
         """The tree of the candidate paths ``idx`` (sorted)."""
         return TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
 
-    def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int]) -> Proposal:
+    @property
+    def plans_branches(self) -> bool:
+        """Dynamic trees weigh the engine's n-gram branch tokens with their own candidates."""
+        return self._candidates is not None
+
+    def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
         D = self._candidates["ranks"].shape[1]
         top_p, top_i = self._probs(logits[:, :D], seqs).topk(self.topk, dim=-1)
         top = self.heads.to_target(top_i)  # [B, D, topk] target ids
         raw = self.path_probs(top_p)
         score, order = self.path_scores(raw, max_drafts, seqs)
-        surv = [[x for x in row if x >= 0.0] for row in score.tolist()]
+        branches = branches or [None] * len(seqs)
+        items = [self._merge_branches(top[b], score[b], order[b], br) if br else None
+                 for b, br in enumerate(branches)]
+        surv = [[x for x in row if x >= 0.0] if it is None else [x[0] for x in it]
+                for row, it in zip(score.tolist(), items)]
         counts = choose_verify_lengths(surv, lambda n: interp_cost(self.verify_costs, n))
         trees: list[TreeDraft | None] = []
+        own: list[int | None] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
-            chosen = order[b, :n]
+            if items[b] is None:
+                chosen, extra = order[b, :n], []
+            else:
+                idx, extra = split_items(items[b], n)
+                chosen = torch.tensor(idx, dtype=torch.long)
             if self.calibration is not None:  # what the calibration will check: unscaled, per depth
                 self.calibration.expect_nodes(s, raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist())
-            if n == 0:
-                trees.append(None)
-                continue
-            buf = self._subtrees.get(tuple(sorted(chosen.tolist())))
-            trees.append(TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf))
-        return Proposal([[] for _ in seqs], trees=trees)
+            tree = None
+            if len(chosen):
+                buf = self._subtrees.get(tuple(sorted(chosen.tolist())))
+                tree = TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf)
+            if extra:
+                tree, n_own = graft(tree, s.output_ids[-1], [], extra, self._grafted)
+                own.append(n_own)
+            else:
+                own.append(None)
+            trees.append(tree)
+        return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
+
+    def _merge_branches(self, top: torch.Tensor, score: torch.Tensor, order: torch.Tensor, branches) -> list[tuple]:
+        """One request's candidate paths (``top`` [D, topk] its heads' tokens; ``score``/``order`` from
+        ``path_scores``) and n-gram branches as ``ngram.merge_branches`` items."""
+        c = self._candidates
+        tokens = top.gather(1, c["ranks"].t().to(top.device)).t().tolist()  # [P, D]: each path's tokens
+        paths = [tuple(tok[:d]) for tok, d in zip(tokens, c["depth"].tolist())]
+        scores = [0.0] * len(paths)
+        for s, i in zip(score.tolist(), order.tolist()):
+            scores[i] = s
+        return merge_branches(paths, scores, branches)
 
     def _typical(self, tokens, logits, tree, params, generator):
         return verify_typical(tokens, logits, tree, params.temperature, generator, self.posterior_threshold,
@@ -339,7 +371,7 @@ class MedusaProposer(Proposer):
                                                lambda n: interp_cost(self.verify_costs, n))
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
         if self._candidates is not None:
-            return self._propose_dynamic(logits, seqs, list(inputs.max_drafts))
+            return self._propose_dynamic(logits, seqs, list(inputs.max_drafts), inputs.branches)
         K = self.tree.max_depth
         top = self.heads.to_target(logits[:, :K].topk(self.topk, dim=-1).indices)  # [B, K, topk] target ids
         trees, chains = [], []

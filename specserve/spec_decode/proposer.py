@@ -27,6 +27,9 @@ class Proposal:
     chains: list[list[int]]
     draft_probs: torch.Tensor | None = None
     trees: list[TreeDraft | None] | None = None
+    # a proposer that ``plans_branches``: per tree, how many of its nodes (root included; a prefix) are
+    # the drafter's own, the rest coming from ``ProposeInputs.branches`` (None: no branch node)
+    own_nodes: list[int | None] | None = None
 
     @property
     def has_trees(self) -> bool:
@@ -36,10 +39,13 @@ class Proposal:
 @dataclass
 class ProposeInputs:
     """What a proposer may look at: the running sequences and how many drafts each may propose at
-    most. Target features arrive earlier, through ``Proposer.observe``."""
+    most. Target features arrive earlier, through ``Proposer.observe``. ``branches``: for a proposer
+    that ``plans_branches``, each sequence's n-gram branch (``ngram.BranchDraft`` or None) to weigh
+    with its own drafts."""
 
     seqs: list
     max_drafts: list[int]
+    branches: list | None = None
 
 
 class Proposer:
@@ -55,6 +61,9 @@ class Proposer:
     # an "auto" mode's online correction of its predicted acceptance
     # (``specserve.spec_decode.cost_model.AcceptanceCalibration``), or None
     calibration = None
+    # whether propose() itself chooses which tokens of ``ProposeInputs.branches`` (the engine's
+    # ``ngram_branch``) to verify, with its cost model; otherwise the engine adds whole branches
+    plans_branches = False
 
     def load_model(self, target) -> None:
         """Attach to the target ``ModelRunner`` (share its embedding/lm_head, read its config)."""

@@ -38,8 +38,12 @@ def test_ngram_greedy_identical_to_plain(default_llm_fp32):
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
+POOL = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}  # n-gram branches, earlier answers too
+
+
 @pytest.mark.parametrize("tree, extra", [(None, {}), ("auto", {}), (16, {}), (None, {"ngram_branch": 5}),
-                                         ("auto", {"medusa_verify": "auto", "ngram_branch": 5})])
+                                         ("auto", {"medusa_verify": "auto", "ngram_branch": 5}),
+                                         ("auto", {"medusa_verify": "auto", **POOL})])
 def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra):
     """Chat prompts of different lengths (the heads were trained on chat answers)."""
     params = SamplingParams(temperature=0, max_tokens=40)
@@ -62,6 +66,7 @@ def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra)
     ("dspark", {"dspark_tree": "auto"}),
     ("dspark", {"dspark_verify": "auto", "ngram_branch": 5}),
     ("dspark", {"dspark_tree": "auto", "ngram_branch": 5}),
+    ("dspark", {"dspark_tree": "auto", **POOL}),
 ])
 def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extra):
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -91,6 +96,7 @@ def default_llm_bf16():
     {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"},
     {"method": "dspark", "dspark_verify": "auto"},
     {"method": "dspark", "dspark_tree": "auto", "ngram_branch": 5},
+    {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL},
 ])
 def test_bfloat16_greedy_identical_to_plain(default_llm_bf16, spec):
     """In bfloat16 on CPU the forwards are batch-invariant (``make_batch_invariant``), so verifying a

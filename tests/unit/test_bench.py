@@ -27,7 +27,12 @@ def test_bench_ngram_suffix_adds_the_branch_to_drafters_only():
     assert method_factory("dspark-tree-12-ngram")().speculative_config == {"method": "dspark", "dspark_tree": 12,
                                                                              "ngram_branch": 5}
     assert method_factory("dspark-auto-ngram")().speculative_config["dspark_verify"] == "auto"
-    for bad in ("none-ngram", "hf-ngram", "ngram-ngram", "dspark-prob-ngram", "medusa-ngram-ngram", "-ngram"):
+    assert method_factory("medusa-ngram12")().speculative_config == {"method": "medusa", "ngram_branch": 12}
+    pool = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
+    assert method_factory("dspark-tree-pool")().speculative_config == {"method": "dspark", "dspark_tree": "auto", **pool}
+    assert method_factory("medusa-pool8")().speculative_config == {"method": "medusa", **pool, "ngram_branch": 8}
+    for bad in ("none-ngram", "hf-ngram", "ngram-ngram", "dspark-prob-ngram", "medusa-ngram-ngram", "-ngram",
+                "medusa-ngram0", "medusa-ngram-5", "medusa-ngram5-ngram", "medusa-pool-ngram", "none-pool"):
         with pytest.raises(BenchError, match="unknown method"):
             parse_methods(bad)
 
