@@ -44,6 +44,8 @@ from typing import Callable
 
 import torch
 
+from specserve.spec_decode.ngram import POOLED_BRANCHES
+
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 HELDOUT = "chitchat-heldout"  # --prompts value: the held-out split of the drafters' training prompts
 INSTRUCTIONS_HELDOUT = "instructions-heldout"  # the held-out split of the instruction prompts (train/instructions.py)
@@ -314,8 +316,7 @@ TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspa
 # e.g. medusa-tree-dynamic-ngram: that method plus ``ngram_branch: 5``; -ngramK: ``ngram_branch: K``;
 # -pool / -poolK: also earlier requests' continuations, 3 candidates of 12 / K tokens
 NGRAM_SUFFIX = re.compile(r"(.+)-(ngram|pool)([1-9][0-9]*)?")
-NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5},
-                        "pool": {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}}
+NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5}, "pool": POOLED_BRANCHES}
 
 
 def method_factory(name: str) -> Callable[[], object] | None:

@@ -340,12 +340,14 @@ def cmd_demo(args) -> int:
     tokens/s and mean acceptance length (tau) of each."""
     from specserve import LLM, SamplingParams
 
+    from specserve.spec_decode.ngram import POOLED_BRANCHES as DEMO_BRANCHES
+
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
-            ("Medusa (shipped heads, a draft tree chosen each step by the cost model, plus an n-gram branch, "
-             "lossless)", {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", "ngram_branch": 5}),
-            ("DSpark (shipped drafter, verify length from the cost model, plus an n-gram branch, lossless)",
-             {"method": "dspark", "dspark_verify": "auto", "ngram_branch": 5})]
+            ("Medusa (shipped heads; the cost model chooses each step's tree among their candidates and n-gram "
+             "branches; lossless)", {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **DEMO_BRANCHES}),
+            ("DSpark (shipped drafter; the cost model chooses each step's tree among its candidates and n-gram "
+             "branches; lossless)", {"method": "dspark", "dspark_tree": "auto", **DEMO_BRANCHES})]
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
@@ -376,7 +378,7 @@ def cmd_demo(args) -> int:
               f"mean acceptance length {tau:.2f}, text {same}")
     print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,ngram,medusa-tree-dynamic-ngram,dspark-auto-ngram,dspark-tree-ngram,dflash")
+          "specserve bench --methods none,ngram,medusa-tree-dynamic-pool,dspark-tree-pool,dflash")
     return 0
 
 

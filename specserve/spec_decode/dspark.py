@@ -305,10 +305,11 @@ class DSparkProposer(Proposer):
         rows = [b for b, k in enumerate(budget)
                 if k > 0 and not (self.gate is not None and self.gate.skip(seqs[b].seq_id))]
         chains: list[list[int]] = [[] for _ in seqs]
+        if self.tree_size is not None:
+            prop = self._propose_trees(seqs, rows, budget, inputs.branches) if rows else Proposal(chains)
+            return self._add_branch_only_trees(seqs, prop, inputs.branches, set(rows))
         if not rows:
             return Proposal(chains)
-        if self.tree_size is not None:
-            return self._propose_trees(seqs, rows, budget, inputs.branches)
         probabilistic = self.sample_method == "probabilistic"
         temps, states = [], []
         for b in rows:
@@ -414,6 +415,22 @@ class DSparkProposer(Proposer):
             if extra:
                 trees[b], own[b] = graft(trees[b], seqs[b].output_ids[-1], [], extra, self._grafted)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
+
+    def _add_branch_only_trees(self, seqs, prop: Proposal, branches, drafted: set[int]) -> Proposal:
+        """The rows that did not draft this step (the draft gate, or no budget) still verify the n-gram
+        branch tokens that the cost model finds worth it: they cost no drafting."""
+        todo = [b for b, br in enumerate(branches or []) if br and b not in drafted]
+        if not todo:
+            return prop
+        items = [merge_branches([], [], branches[b]) for b in todo]
+        counts = choose_verify_lengths([[it[0] for it in row] for row in items],
+                                       lambda n: interp_cost(self.verify_costs, n))
+        trees = list(prop.trees or [None] * len(seqs))
+        own = list(prop.own_nodes or [None] * len(seqs))
+        for b, row, n in zip(todo, items, counts):
+            if n:
+                trees[b], own[b] = graft(None, seqs[b].output_ids[-1], [], split_items(row, n)[1], self._grafted)
+        return Proposal(prop.chains, prop.draft_probs, trees, own)
 
     def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
         """Tell the draft gate what this step's drafting is expected to give a single sequence."""

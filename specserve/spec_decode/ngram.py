@@ -11,6 +11,9 @@ import torch
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
 PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by default (longest first)
+# the engine's n-gram branches as the demo and the bench's "-pool" rows use them (speculative_config keys):
+# 3 continuations of up to 12 tokens, from the sequence itself and from earlier requests
+POOLED_BRANCHES = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
 
 
 def ngram_match(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> tuple[list[int], int]:

@@ -40,8 +40,8 @@ class Proposal:
 class ProposeInputs:
     """What a proposer may look at: the running sequences and how many drafts each may propose at
     most. Target features arrive earlier, through ``Proposer.observe``. ``branches``: for a proposer
-    that ``plans_branches``, each sequence's n-gram branch (``ngram.BranchDraft`` or None) to weigh
-    with its own drafts."""
+    that ``plans_branches``, each sequence's n-gram branches (a list of ``ngram.BranchDraft``, maybe
+    empty) to weigh with its own drafts."""
 
     seqs: list
     max_drafts: list[int]

@@ -171,6 +171,20 @@ def test_greedy_identical_to_plain_and_the_branch_wins_steps(tiny_llama, tmp_pat
     assert with_branch.get_metrics()["mean_acceptance_length"] > without.get_metrics()["mean_acceptance_length"]
 
 
+def test_rows_that_skip_drafting_still_verify_their_branches(tiny_llama, tmp_path):
+    """DSpark's draft gate sits a request out of drafting: its n-gram branches still go to verification."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=str(tiny_llama), dtype="float32").generate(REPETITIVE, params, use_tqdm=False)]
+    spec = {**_drafter("dspark-tree-auto", tiny_llama, tmp_path), **POOLED}
+    llm = _verify_all(LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec))
+    llm.engine.proposer.gate.skip = lambda seq_id: True  # the gate never lets a request draft
+    assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
+    st = llm.engine.stats
+    assert st["ngram_branch_tokens"] > 0 and st["ngram_branch_wins"] > 0, st
+    assert llm.get_metrics()["mean_acceptance_length"] > 1.2
+
+
 def test_the_pool_offers_earlier_requests_continuations(tiny_llama, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[40 + i, 7, 3, 11 + i] for i in range(3)]
