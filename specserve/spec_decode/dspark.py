@@ -392,9 +392,10 @@ class DSparkProposer(Proposer):
             counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],
                                            lambda n: interp_cost(self.verify_costs, n),
                                            self._draft_cost(len(rows), draft_s))
-            if self.gate is not None:
-                for b, v, n in zip(rows, valid, counts):
-                    self._judge(seqs[b], sum(v[:n]), n, draft_s)
+            if self.gate is not None:  # what drafting adds: its own nodes (branch nodes need no drafting)
+                for r, (b, v, n) in enumerate(zip(rows, valid, counts)):
+                    own_v = v[:n] if items[r] is None else [it[0] for it in items[r][:n] if it[2] == 0]
+                    self._judge(seqs[b], sum(own_v), len(own_v), draft_s)
         else:
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
@@ -418,7 +419,7 @@ class DSparkProposer(Proposer):
 
     def _add_branch_only_trees(self, seqs, prop: Proposal, branches, drafted: set[int]) -> Proposal:
         """The rows that did not draft this step (the draft gate, or no budget) still verify the n-gram
-        branch tokens that the cost model finds worth it: they cost no drafting."""
+        branch tokens that the cost model finds worth it (weighed on their own): they cost no drafting."""
         todo = [b for b, br in enumerate(branches or []) if br and b not in drafted]
         if not todo:
             return prop

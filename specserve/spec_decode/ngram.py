@@ -16,25 +16,11 @@ PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by def
 POOLED_BRANCHES = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
 
 
-def ngram_match(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> tuple[list[int], int]:
-    """ids: 1-D long tensor of the whole sequence. Returns (up to k continuation tokens, the length n of
-    the n-gram matched; 0 when none matched)."""
-    L = ids.numel()
-    if k <= 0:
-        return [], 0
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = ids[L - n :]
-        windows = ids[: L - 1].unfold(0, n, 1)  # every earlier n-gram (the suffix itself excluded)
-        hits = (windows == suffix).all(1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return ids[start : start + k].tolist(), n
-    return [], 0
-
-
 def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int]:
-    """``ngram_match``'s tokens only."""
-    return ngram_match(ids, k, n_max, n_min)[0]
+    """ids: 1-D long tensor of the whole sequence. Returns up to k tokens that followed the most recent
+    earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that has one."""
+    found = ngram_candidates(ids, k, 1, None, n_max, n_min)
+    return found[0][0] if found else []
 
 
 class NgramPool:
@@ -68,9 +54,18 @@ class NgramPool:
                 hits.append((no, j + n))
                 if len(hits) > self.per_key:
                     del hits[0]
-        while self._total > self.max_tokens and len(self._seqs) > 1:  # stale index entries are skipped
+        while self._total > self.max_tokens and len(self._seqs) > 1:
             old = next(iter(self._seqs))
-            self._total -= len(self._seqs.pop(old))
+            gone = self._seqs.pop(old)
+            self._total -= len(gone)
+            for n in range(self.n_min, self.n_max + 1):  # its index entries go too
+                for j in range(len(gone) - n):
+                    key = tuple(gone[j : j + n])
+                    hits = [h for h in self._index.get(key, ()) if h[0] != old]
+                    if hits:
+                        self._index[key] = hits
+                    else:
+                        self._index.pop(key, None)
 
     def continuations(self, suffix: list[int], k: int) -> list[list[int]]:
         """Up to k tokens that followed ``suffix`` in earlier sequences, most recent first."""

@@ -77,6 +77,8 @@ def test_ngram_pool_keeps_the_most_recent_and_drops_the_oldest_sequences():
     assert pool.continuations([1, 2], 5) == [[5, 6], [4]]  # two kept per n-gram
     pool.add([7, 7, 7, 7])  # 14 tokens in all > 10: the oldest sequences go
     assert len(pool) == 2 and pool.continuations([1, 2], 5) == [[5, 6]]
+    kept = {no for hits in pool._index.values() for no, _ in hits}
+    assert kept == {2, 3}  # the dropped sequences' index entries are gone too
     assert pool.continuations([9], 3) == []
     pool.add([1])  # nothing to index
     assert len(pool) == 2
