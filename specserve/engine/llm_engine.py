@@ -60,7 +60,6 @@ class LLMEngine:
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
         spec, self.branch_opts = split_ngram_branch(cfg.speculative)
-        self.ngram_branch = self.branch_opts.tokens
         self._branch_trees = TreeCache.by_parents()  # grafted shapes recur
         self.branch_acceptance = BranchAcceptance(self.ngram_branch) if self.ngram_branch else None
         self.ngram_pool = NgramPool() if self.ngram_branch and self.branch_opts.pool else None
@@ -170,8 +169,7 @@ class LLMEngine:
         matches = self._ngram_matches(seqs) if self.ngram_branch else [[] for _ in seqs]
         planned = self.proposer.plans_branches and self.ngram_branch
         if any(budgets):
-            branches = [[self.branch_acceptance.draft((sampling_key(s.params), n, r), toks)
-                         for r, (toks, n) in enumerate(m)] for s, m in zip(seqs, matches)] if planned else None
+            branches = [[self.branch_acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned else None
             prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
         else:
             prop = Proposal([[] for _ in seqs])
@@ -227,15 +225,20 @@ class LLMEngine:
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
                                       [a[b, idx] for a in out.aux], reset=False)
-            for r, (toks, n) in enumerate(matches[b]):
-                self.branch_acceptance.observe((sampling_key(s.params), n, r), toks, emitted)
+            for toks, key in matches[b]:
+                self.branch_acceptance.observe(key, toks, emitted)
             emitted_total += s.append_tokens(emitted)
         self.stats["decode_tokens"] += emitted_total
         self.stats["decode_s"] += time.perf_counter() - t0
 
-    def _ngram_matches(self, seqs) -> list[list[tuple[list[int], int]]]:
-        """``ngram_branch``: each sequence's n-gram continuations, (tokens, matched n) each, from the
-        sequence itself and from ``ngram_pool`` (earlier requests), offered as more branches of the
+    @property
+    def ngram_branch(self) -> int:
+        """Tokens per n-gram branch (0: no branches)."""
+        return self.branch_opts.tokens
+
+    def _ngram_matches(self, seqs) -> list[list[tuple[list[int], tuple]]]:
+        """``ngram_branch``: each sequence's n-gram continuations, (tokens, ``branch_acceptance`` key:
+        sampling setting, matched n, rank) each, from the sequence itself and from ``ngram_pool`` (earlier requests), offered as more branches of the
         drafter's chain or tree. The drafters miss on different tokens: chat answers repeat words of
         the prompt, of themselves and of earlier answers, which a trained drafter often does not
         predict. Verification stays lossless (deterministic drafts, one-hot rule), whichever wins."""
@@ -243,7 +246,9 @@ class LLMEngine:
         for s in seqs:
             k = self._draft_budget(s, self.ngram_branch)
             ids = torch.tensor(s.all_ids, dtype=torch.long)
-            out.append(ngram_candidates(ids, k, self.branch_opts.candidates, self.ngram_pool) if k else [])
+            found = ngram_candidates(ids, k, self.branch_opts.candidates, self.ngram_pool) if k else []
+            key = sampling_key(s.params)
+            out.append([(toks, (key, n, r)) for r, (toks, n) in enumerate(found)])
         return out
 
     def _verify_trees(self, seqs, trees, chains, prop, logits, sb, starts):

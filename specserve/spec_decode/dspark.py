@@ -403,10 +403,7 @@ class DSparkProposer(Proposer):
         if self.calibration is not None:  # what the calibration will check: the unscaled predictions
             raw, depth = cand.scores.cpu().tolist(), cand.depth.cpu().tolist()
         for r, b in enumerate(rows):
-            if items[r] is None:
-                chosen, extra = sorted(order[r, : counts[r]].tolist()), []  # candidate order: parents first
-            else:
-                chosen, extra = split_items(items[r], counts[r])
+            chosen, extra = split_items(items[r], counts[r], order[r, : counts[r]].tolist())  # parents first
             if self.calibration is not None:
                 self.calibration.expect_nodes(seqs[b], [raw[r][c] for c in chosen], [depth[c] for c in chosen])
             if chosen:
@@ -430,7 +427,7 @@ class DSparkProposer(Proposer):
         own = list(prop.own_nodes or [None] * len(seqs))
         for b, row, n in zip(todo, items, counts):
             if n:
-                trees[b], own[b] = graft(None, seqs[b].output_ids[-1], [], split_items(row, n)[1], self._grafted)
+                trees[b], own[b] = graft(None, seqs[b].output_ids[-1], [], split_items(row, n, [])[1], self._grafted)
         return Proposal(prop.chains, prop.draft_probs, trees, own)
 
     def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:

@@ -308,16 +308,13 @@ class MedusaProposer(Proposer):
         trees: list[TreeDraft | None] = []
         own: list[int | None] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
-            if items[b] is None:
-                chosen, extra = order[b, :n], []
-            else:
-                idx, extra = split_items(items[b], n)
-                chosen = torch.tensor(idx, dtype=torch.long)
+            idx, extra = split_items(items[b], n, order[b, :n].tolist())
+            chosen = torch.tensor(idx, dtype=torch.long)
             if self.calibration is not None:  # what the calibration will check: unscaled, per depth
                 self.calibration.expect_nodes(s, raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist())
             tree = None
-            if len(chosen):
-                buf = self._subtrees.get(tuple(sorted(chosen.tolist())))
+            if idx:
+                buf = self._subtrees.get(tuple(idx))
                 tree = TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf)
             if extra:
                 tree, n_own = graft(tree, s.output_ids[-1], [], extra, self._grafted)

@@ -48,24 +48,27 @@ class NgramPool:
         no, self._next = self._next, self._next + 1
         self._seqs[no] = ids
         self._total += len(ids)
-        for n in range(self.n_min, self.n_max + 1):
-            for j in range(len(ids) - n):
-                hits = self._index.setdefault(tuple(ids[j : j + n]), [])
-                hits.append((no, j + n))
-                if len(hits) > self.per_key:
-                    del hits[0]
+        for key, start in self._ngrams(ids):
+            hits = self._index.setdefault(key, [])
+            hits.append((no, start))
+            if len(hits) > self.per_key:
+                del hits[0]
         while self._total > self.max_tokens and len(self._seqs) > 1:
             old = next(iter(self._seqs))
             gone = self._seqs.pop(old)
             self._total -= len(gone)
-            for n in range(self.n_min, self.n_max + 1):  # its index entries go too
-                for j in range(len(gone) - n):
-                    key = tuple(gone[j : j + n])
-                    hits = [h for h in self._index.get(key, ()) if h[0] != old]
-                    if hits:
-                        self._index[key] = hits
-                    else:
-                        self._index.pop(key, None)
+            for key, _ in self._ngrams(gone):  # its index entries go too
+                hits = [h for h in self._index.get(key, ()) if h[0] != old]
+                if hits:
+                    self._index[key] = hits
+                else:
+                    self._index.pop(key, None)
+
+    def _ngrams(self, ids: list[int]):
+        """Every n-gram of ``ids`` that something follows, with where that continuation starts."""
+        for n in range(self.n_min, self.n_max + 1):
+            for j in range(len(ids) - n):
+                yield tuple(ids[j : j + n]), j + n
 
     def continuations(self, suffix: list[int], k: int) -> list[list[int]]:
         """Up to k tokens that followed ``suffix`` in earlier sequences, most recent first."""
@@ -247,8 +250,11 @@ def merge_branches(paths: list[tuple], scores: list[float], branches: list[Branc
     return items
 
 
-def split_items(items: list[tuple], n: int) -> tuple[list[int], list[list[int]]]:
-    """The first n of ``merge_branches``' items -> (the chosen candidates' indices, sorted; the chosen
-    branch nodes' token paths, parents first: ready for ``graft``)."""
+def split_items(items: list[tuple] | None, n: int, order: list[int]) -> tuple[list[int], list[list[int]]]:
+    """What a cost model chose to verify, its first n nodes -> (the chosen candidates' indices, sorted;
+    the chosen branch nodes' token paths, parents first: ready for ``graft``). ``items``: the
+    ``merge_branches`` items, or None without branches: then the first n of the candidates' ``order``."""
+    if items is None:
+        return sorted(order[:n]), []
     picked = items[:n]
     return sorted(k for _, _, kind, k in picked if kind == 0), [list(k) for _, _, kind, k in picked if kind == 1]

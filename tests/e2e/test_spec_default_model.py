@@ -5,6 +5,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers.linear import mkldnn_packing_available
+from specserve.spec_decode.ngram import POOLED_BRANCHES
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ def test_ngram_greedy_identical_to_plain(default_llm_fp32):
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
-POOL = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}  # n-gram branches, earlier answers too
+POOL = POOLED_BRANCHES  # 3 n-gram branches of 12 tokens, earlier answers too
 
 
 @pytest.mark.parametrize("tree, extra", [(None, {}), ("auto", {}), (16, {}), (None, {"ngram_branch": 5}),

@@ -116,10 +116,11 @@ def test_merge_branches_orders_nodes_so_that_every_prefix_is_a_subtree():
         (0.6, 1, 0, 0), (0.45, 2, 0, 1), (0.4, 3, 1, (7, 8, 5)), (0.25, 1, 1, (4,)), (0.2, 1, 0, 2),
         (0.05, 2, 1, (4, 4)), (0.01, 4, 1, (7, 8, 5, 6))]
     for n in range(len(items) + 1):
-        chosen, extra = split_items(items, n)
+        chosen, extra = split_items(items, n, [])
         have = {()} | {paths[i] for i in chosen} | {tuple(e) for e in extra}
         assert all(p[:-1] in have for p in have if p), n  # every chosen node's parent is chosen
-    assert split_items(items, 4) == ([0, 1], [[7, 8, 5], [4]])
+    assert split_items(items, 4, []) == ([0, 1], [[7, 8, 5], [4]])
+    assert split_items(None, 2, [2, 0, 1]) == ([0, 2], [])  # without branches: the candidates in order
     assert merge_branches(paths, scores, []) == [(0.6, 1, 0, 0), (0.3, 2, 0, 1), (0.2, 1, 0, 2)]
 
 
