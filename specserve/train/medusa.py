@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, float32_runner,
+from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, feature_runner,
                                     keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 
@@ -363,7 +363,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
 
     # -- hidden states (float32 target, once)
     t = time.perf_counter()
-    runner, kept = float32_runner(llm, args.gen_dtype)
+    runner, kept = feature_runner(llm, args.gen_dtype)
     model = runner.model
     hidden = lambda s: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
     hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)

@@ -208,6 +208,25 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     assert counts[vocab].min() >= counts[[i for i in range(257) if i not in set(vocab.tolist())]].max()
     _greedy_identical(tiny_llama, tmp_path / "d2", "dspark")
 
+    # bfloat16 features and mixed-precision training: the generations come from the cache, the
+    # features do not (their own cache entries); the same first step's loss up to bf16 rounding
+    logs.clear()
+    args3 = DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "d3"), "feature_dtype": "bfloat16",
+                               "train_dtype": "bfloat16"})
+    res3 = train_dspark(args3, log=logs.append)
+    assert sum("self-distillation (items" in m and "cached" in m for m in logs) == 2, logs
+    assert not any("target features" in m and "cached" in m for m in logs), logs
+    l32, l16 = res["train"]["step_loss"][0], res3["train"]["step_loss"][0]
+    assert l16 != l32 and abs(l16 - l32) < 0.05 * l32, (l16, l32)
+    assert res3["heldout"]["loss"] < res3["heldout_init"]["loss"]
+    tr3 = json.loads((tmp_path / "d3" / "config.json").read_text())["training"]
+    assert tr3["feature_dtype"] == "bfloat16" and tr3["train_dtype"] == "bfloat16"
+    readme3 = (tmp_path / "d3" / "README.md").read_text()
+    assert "bfloat16 mixed precision" in readme3 and "target features from a bfloat16 forward" in readme3
+    _greedy_identical(tiny_llama, tmp_path / "d3", "dspark")
+    with pytest.raises(ValueError, match="train_dtype"):
+        DSparkTrainArgs(**{**args.__dict__, "train_dtype": "float16"}).validate()
+
 
 def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     from specserve.entrypoints.cli import main
