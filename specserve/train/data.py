@@ -243,23 +243,29 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
 
 
 def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log) -> list[dict]:
+    """The responses, in prompt order. The engine runs its batch with one key length for all rows (the
+    longest row's), so one long prompt slows every row beside it: the prompts go through shortest first,
+    and a long one meets its peers. Request i keeps seed ``seed + i`` whatever the order."""
     from specserve.config import SamplingParams
 
-    out = []
-    t0 = time.perf_counter()
+    out: list = [None] * len(ids)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    t0, done, n_tok = time.perf_counter(), 0, 0
     per_call = 8 * batch_size  # the engine keeps batch_size running (max_num_seqs); a log line per call
-    for b in range(0, len(ids), per_call):
-        chunk = ids[b : b + per_call]
+    for b in range(0, len(order), per_call):
+        chunk = order[b : b + per_call]
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                 seed=(seed + b + i) if temperature > 0 else None) for i in range(len(chunk))]
-        res = llm.generate([{"prompt_token_ids": x} for x in chunk], params, use_tqdm=False)
-        for p, x, r in zip(prompts[b : b + per_call], chunk, res):
-            out.append({"prompt": p if isinstance(p, str) else json.dumps(p), "ids": list(x) + list(r.outputs[0].token_ids),
-                        "prompt_len": len(x)})
+                                 seed=(seed + i) if temperature > 0 else None) for i in chunk]
+        res = llm.generate([{"prompt_token_ids": ids[i]} for i in chunk], params, use_tqdm=False)
+        for i, r in zip(chunk, res):
+            p, x = prompts[i], ids[i]
+            out[i] = {"prompt": p if isinstance(p, str) else json.dumps(p), "ids": list(x) + list(r.outputs[0].token_ids),
+                      "prompt_len": len(x)}
+            n_tok += len(r.outputs[0].token_ids)
+        done += len(chunk)
         if log:
-            n_tok = sum(len(s["ids"]) - s["prompt_len"] for s in out)
             dt = time.perf_counter() - t0
-            log(f"self-distillation: {len(out)}/{len(ids)} prompts, {n_tok} tokens, {dt:.0f} s "
+            log(f"self-distillation: {done}/{len(ids)} prompts, {n_tok} tokens, {dt:.0f} s "
                 f"({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return out
 

@@ -299,22 +299,25 @@ def draft_vocab_ids(drafter) -> torch.Tensor | None:
 
 
 def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, samples: list[dict],
-               chunk: int = 2048) -> list[torch.Tensor]:
+               chunk: int = 2048, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """log-sum-exp over the whole target vocabulary of the target's logits at the response positions of
     every sequence ([T] per sequence, 0 before ``prompt_len``; from its final hidden states): with it,
     a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head. The
     positions of all sequences go through the lm_head in blocks of exactly ``chunk`` rows (the last one
     padded): per-sequence logits of thousands of different sizes, freed between small tensors that stay,
-    fragmented the heap past 24 GB in a 2400-sequence run; one block size is allocated and released whole."""
+    fragmented the heap past 24 GB in a 2400-sequence run; one block size is allocated and released whole.
+    ``dtype``: of the lm_head product (bfloat16 for mixed-precision training, whose draft logits are
+    bfloat16 products too); the log-sum-exp itself is float32."""
     spans = []
     for (_, fin), smp in zip(feats, samples):
         lo = min(int(smp["prompt_len"]), fin.shape[0])
         spans.append((lo, fin.shape[0]))
     rows = torch.cat([fin[lo:hi].float() for (_, fin), (lo, hi) in zip(feats, spans)]) if feats else torch.zeros(0)
     flat = torch.zeros(rows.shape[0])
+    lm_w, lm_b = lm_w.to(dtype), (None if lm_b is None else lm_b.to(dtype))
     with torch.no_grad():
         for a in range(0, rows.shape[0], chunk):
-            x = rows[a : a + chunk]
+            x = rows[a : a + chunk].to(dtype)
             n = x.shape[0]
             if n < chunk:
                 x = torch.cat([x, x.new_zeros(chunk - n, x.shape[1])])
@@ -837,7 +840,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         inside[vocab_ids] = True
         resp = torch.cat([torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long) for s in held_s])
         vocab_cover = float(inside[resp].float().mean()) if resp.numel() else 1.0
-        f_train = [(a, h, l) for (a, h), l in zip(f_train, target_lse(lm_w, lm_b, f_train, train_s))]
+        lse_dtype = getattr(torch, args.train_dtype)  # the held-out figures are float32 products either way
+        f_train = [(a, h, l) for (a, h), l in zip(f_train, target_lse(lm_w, lm_b, f_train, train_s, dtype=lse_dtype))]
         f_held = [(a, h, l) for (a, h), l in zip(f_held, target_lse(lm_w, lm_b, f_held, held_s))]
         timings["draft_vocab_s"] = time.perf_counter() - t
         log(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens; they cover "

@@ -338,3 +338,8 @@ def test_target_lse_matches_each_sequences_own_logsumexp():
         p = s["prompt_len"]
         assert lse.shape == (len(s["ids"]),) and torch.all(lse[:p] == 0)
         torch.testing.assert_close(lse[p:], torch.logsumexp(fin[p:] @ lm_w.T + lm_b, dim=-1))
+    # in bfloat16 (mixed-precision training): the same up to bf16 rounding of the products
+    got16 = target_lse(lm_w, lm_b, feats, samples, chunk=4, dtype=torch.bfloat16)
+    for g32, g16, s in zip(got, got16, samples):
+        assert torch.equal(g32, g16) == (s["prompt_len"] == len(s["ids"]))  # bf16 products differ
+        torch.testing.assert_close(g16, g32, atol=0.1, rtol=0.02)
