@@ -309,6 +309,7 @@ def register_method(name: str, factory: Callable[[], object]) -> None:
     METHODS[name] = factory
 
 
+DRAFTER_METHODS = ("medusa", "dspark", "dflash")  # the methods that load a drafter checkpoint
 SIZED_TREE = re.compile(r"(medusa|dspark|dflash)-tree-([1-9][0-9]*)")  # e.g. medusa-tree-64: 64 nodes, fixed
 TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspark_tree"}
 
@@ -324,7 +325,17 @@ def method_factory(name: str) -> Callable[[], object] | None:
     shipped drafter with trees of N nodes, whatever verifying N tokens costs here), or either with the
     suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``),
     ``-ngramK`` (``ngram_branch: K``), ``-pool`` (3 continuations of up to 12 tokens, from the sequence
-    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``."""
+    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``. Any of the
+    drafter methods may end in ``@PATH``: the same with the drafter checkpoint at PATH instead of the
+    shipped one (``speculative_config["model"]``), e.g. ``dspark-tree-pool@my-drafter``, to compare
+    drafters side by side in one run."""
+    if "@" in name:
+        base_name, path = name.split("@", 1)
+        base = method_factory(base_name) if path else None
+        spec = getattr(base(), "speculative_config", None) if base else None
+        if not spec or spec["method"] not in DRAFTER_METHODS:
+            return None  # plain decoding, HF and the n-gram drafter have no checkpoint
+        return lambda: SpecserveMethod(name, {**spec, "model": path})
     if name in METHODS:
         return METHODS[name]
     m = SIZED_TREE.fullmatch(name)
@@ -355,7 +366,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
                          "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + "
                          "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
-                         "also from earlier requests)")
+                         "also from earlier requests), and a drafter method + '@PATH' (its drafter checkpoint at PATH)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")

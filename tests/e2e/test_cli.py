@@ -128,3 +128,20 @@ def test_demo_in_bfloat16_gives_plain_decodings_text():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("(bfloat16, 2 CPU threads)") == 3
     assert r.stdout.count("text identical") == 2 and "DIFFERENT" not in r.stdout, r.stdout
+
+
+def test_bench_drafter_checkpoint_by_path(tmp_path):
+    """``dspark@PATH`` runs the drafter at PATH: here the shipped DFlash drafter through the dspark
+    method, which accepts what the ``dflash`` row accepts, not what the shipped DSpark drafter does."""
+    from specserve.spec_decode.dspark import SHIPPED_DIR
+
+    ck = SHIPPED_DIR / "dflash-smollm2-135m"
+    out = tmp_path / "bench.json"
+    r = specserve("bench", "--methods", f"dspark,dflash,dspark@{ck}", "--num-prompts", "2", "--max-tokens", "24",
+                  "--dtype", "float32", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = {row["method"]: row for row in json.loads(out.read_text())}
+    assert all(row["identical_to_none"] is True for row in rows.values())
+    by_path = rows[f"dspark@{ck}"]
+    assert by_path["acceptance_rate_per_position"] == rows["dflash"]["acceptance_rate_per_position"]
+    assert by_path["acceptance_rate_per_position"] != rows["dspark"]["acceptance_rate_per_position"]

@@ -95,3 +95,19 @@ def test_bench_heldout_prompt_sets():
     instr = load_prompts("instructions-heldout")
     assert instr == load_instruction_prompts("heldout") and len(instr) >= 20
     assert not set(instr) & set(load_instruction_prompts("train"))
+
+
+def test_bench_drafter_checkpoint_suffix():
+    """``METHOD@PATH``: a drafter method with the checkpoint at PATH, for drafter methods only."""
+    from specserve.bench.harness import BenchError, method_factory, parse_methods
+
+    assert parse_methods("dspark-tree-pool@ck/a,dspark") == ["none", "dspark-tree-pool@ck/a", "dspark"]
+    row = method_factory("dspark-tree-pool@ck/a")()
+    assert row.name == "dspark-tree-pool@ck/a"
+    assert row.speculative_config == {"method": "dspark", "dspark_tree": "auto", "ngram_branch": 12,
+                                      "ngram_candidates": 3, "ngram_pool": True, "model": "ck/a"}
+    assert method_factory("medusa-tree-16@x@y")().speculative_config == {"method": "medusa", "medusa_tree": 16,
+                                                                         "model": "x@y"}
+    for bad in ("none@x", "hf@x", "ngram@x", "dspark@", "@x", "nothing@x"):
+        with pytest.raises(BenchError, match="unknown method"):
+            parse_methods(bad)
