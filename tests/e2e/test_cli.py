@@ -137,11 +137,12 @@ def test_bench_drafter_checkpoint_by_path(tmp_path):
 
     ck = SHIPPED_DIR / "dflash-smollm2-135m"
     out = tmp_path / "bench.json"
-    r = specserve("bench", "--methods", f"dspark,dflash,dspark@{ck}", "--num-prompts", "2", "--max-tokens", "24",
-                  "--dtype", "float32", "--json", str(out))
+    r = specserve("bench", "--methods", f"dspark,dflash,dspark@{ck}", "--prompts", "chitchat-heldout",
+                  "--num-prompts", "2", "--max-tokens", "32", "--dtype", "float32", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = {row["method"]: row for row in json.loads(out.read_text())}
     assert all(row["identical_to_none"] is True for row in rows.values())
     by_path = rows[f"dspark@{ck}"]
-    assert by_path["acceptance_rate_per_position"] == rows["dflash"]["acceptance_rate_per_position"]
+    for key in ("acceptance_rate_per_position", "mean_acceptance_length", "num_draft_tokens"):
+        assert by_path[key] == rows["dflash"][key], key
     assert by_path["acceptance_rate_per_position"] != rows["dspark"]["acceptance_rate_per_position"]
