@@ -207,6 +207,9 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+TRAIN_DTYPES = ("float32", "bfloat16")  # train.common.FEATURE_DTYPES, without importing torch here
+
+
 def _add_train_dspark_parser(tsub) -> None:
     m = tsub.add_parser(
         "dspark", help="a DSpark (or DFlash) block drafter on the frozen target",
@@ -219,10 +222,10 @@ def _add_train_dspark_parser(tsub) -> None:
                     "estimates on held-out prompts.")
     _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
                        "(the features' dtype is --feature-dtype)", device=False)
-    m.add_argument("--feature-dtype", choices=("float32", "bfloat16"), default="float32",
+    m.add_argument("--feature-dtype", choices=TRAIN_DTYPES, default="float32",
                    help="dtype of the target forward that computes the drafter's input features (default float32; "
                         "bfloat16: ~1.3x faster on a 2-core AMX CPU, features ~2%% off float32's)")
-    m.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
+    m.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="float32",
                    help="float32, or bfloat16 mixed precision (autocast forward, float32 weights and optimiser: "
                         "~1.4x faster per step on a 2-core AMX CPU) (default float32)")
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")

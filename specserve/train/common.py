@@ -91,13 +91,11 @@ FEATURE_DTYPES = ("float32", "bfloat16")
 def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
     When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
-    from specserve.engine.model_runner import ModelRunner
+    from specserve.engine.model_runner import DTYPES, ModelRunner
 
-    if dtype not in FEATURE_DTYPES:
-        raise ValueError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, got {dtype!r}")
     runner = llm.engine.runner
-    asked = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}.get(gen_dtype_arg, gen_dtype_arg)
-    kept = runner.dtype == getattr(torch, dtype) and asked in (None, dtype)
+    want = DTYPES[dtype]
+    kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want)  # "auto": None
     if kept:
         return runner, True
     model_dir = llm.engine.model_dir
