@@ -229,17 +229,18 @@ def _add_train_dspark_parser(tsub) -> None:
                    help="float32, or bfloat16 mixed precision (autocast forward, float32 weights and optimiser: "
                         "~1.4x faster per step on a 2-core AMX CPU) (default float32)")
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    m.add_argument("--num-layers", type=_positive_int, default=1, help="draft decoder layers (default 1)")
-    m.add_argument("--block-size", type=_positive_int, default=7,
+    # the drafter's shape: defaults applied in cmd_train_dspark (None = not given: --init-from takes it from DIR)
+    m.add_argument("--num-layers", type=_positive_int, help="draft decoder layers (default 1)")
+    m.add_argument("--block-size", type=_positive_int,
                    help="gamma: the anchor + gamma-1 masks give gamma drafts (default 7)")
-    m.add_argument("--markov-rank", type=_nonneg_int, default=64,
+    m.add_argument("--markov-rank", type=_nonneg_int,
                    help="rank of the Markov head (default 64; 0 = a DFlash baseline without it)")
-    m.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla",
+    m.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"),
                    help="Markov head variant (default vanilla)")
-    m.add_argument("--target-layer-ids", default="auto", metavar="auto|IDS",
+    m.add_argument("--target-layer-ids", metavar="auto|IDS",
                    help="target layers whose outputs feed the drafter: 'auto' (--num-target-layers ids evenly "
                         "spaced between 1 and L-3; [0] for a 2-layer target) or a comma list (default auto)")
-    m.add_argument("--num-target-layers", type=_positive_int, default=5,
+    m.add_argument("--num-target-layers", type=_positive_int,
                    help="how many layers 'auto' picks (default 5)")
     m.add_argument("--mask-token-id", type=_nonneg_int, default=None,
                    help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
@@ -254,8 +255,20 @@ def _add_train_dspark_parser(tsub) -> None:
                    help="train nothing: evaluate the drafter already at --out on the held-out prompts of the data "
                         "options and rewrite the held-out figures of its config.json and README.md (the drafter's "
                         "own config decides its shape; its weights are not touched)")
+    m.add_argument("--init-from", metavar="DIR",
+                   help="start from the drafter at DIR (DeepSpec, speculators or z-lab format) instead of random "
+                        "weights, e.g. to train the shipped one further or on your own prompts: DIR's config gives "
+                        "the shape, target layers, mask token and draft vocabulary (so none of --num-layers, "
+                        "--block-size, --markov-rank, --markov-head-type, --target-layer-ids, --num-target-layers, "
+                        "--mask-token-id, --draft-vocab-size)")
     _add_train_data_args(m)
     m.set_defaults(func=cmd_train_dspark)
+
+
+# the drafter-shape options of ``train dspark`` and their defaults (``--init-from`` takes them from the checkpoint)
+DSPARK_SHAPE_DEFAULTS = {"num_layers": 1, "block_size": 7, "markov_rank": 64, "markov_head_type": "vanilla",
+                         "target_layer_ids": "auto", "num_target_layers": 5, "mask_token_id": None,
+                         "draft_vocab_size": 0}
 
 
 def _version() -> str:
@@ -432,11 +445,18 @@ def cmd_train_dspark(args) -> int:
 
     from specserve.train.dspark import DSparkTrainArgs, train_dspark
 
+    if args.init_from is not None:
+        # given: not None (their parser default), except --draft-vocab-size, shared with train medusa (default 0)
+        given = [k for k in DSPARK_SHAPE_DEFAULTS
+                 if getattr(args, k) not in (None, 0 if k == "draft_vocab_size" else None)]
+        if given:
+            print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop "
+                  + ", ".join("--" + k.replace("_", "-") for k in given), file=sys.stderr)
+            return 2
+    shape = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in DSPARK_SHAPE_DEFAULTS.items()}
     targs = DSparkTrainArgs(
-        out=args.out, model=args.model, num_layers=args.num_layers, block_size=args.block_size,
-        markov_rank=args.markov_rank, markov_head_type=args.markov_head_type, target_layer_ids=args.target_layer_ids,
-        num_target_layers=args.num_target_layers, mask_token_id=args.mask_token_id,
-        draft_vocab_size=args.draft_vocab_size, anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        out=args.out, model=args.model, **shape, init_from=args.init_from,
+        anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,

