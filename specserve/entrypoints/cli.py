@@ -224,10 +224,10 @@ def _add_train_dspark_parser(tsub) -> None:
                        "(the features' dtype is --feature-dtype)", device=False)
     m.add_argument("--feature-dtype", choices=TRAIN_DTYPES, default="float32",
                    help="dtype of the target forward that computes the drafter's input features (default float32; "
-                        "bfloat16: ~1.3x faster on a 2-core AMX CPU, features ~2%% off float32's)")
+                        "bfloat16: ~1.3x faster on a 2-core AVX512-BF16 CPU, features ~2%% off float32's)")
     m.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="float32",
                    help="float32, or bfloat16 mixed precision (autocast forward, float32 weights and optimiser: "
-                        "~1.4x faster per step on a 2-core AMX CPU) (default float32)")
+                        "~1.4x faster per step on a 2-core AVX512-BF16 CPU) (default float32)")
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
     # the drafter's shape: defaults applied in cmd_train_dspark (None = not given: --init-from takes it from DIR)
     m.add_argument("--num-layers", type=_positive_int, help="draft decoder layers (default 1)")

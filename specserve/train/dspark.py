@@ -4,7 +4,7 @@
    held-out split, answered by the target itself (``self_distill``, cached and shared with
    ``specserve train medusa``).
 2. **Target features, once.** One cache-free forward of the target (float32; ``--feature-dtype
-   bfloat16``: ~1.3x faster on a 2-core AMX CPU, the final states ~2% off float32's) over every sequence with
+   bfloat16``: ~1.3x faster on a 2-core AVX512-BF16 CPU, the final states ~2% off float32's) over every sequence with
    ``aux_layers = target_layer_ids`` gives the outputs of those decoder layers (HF
    ``hidden_states[id + 1]``, concatenated in layer order: what the proposer feeds the drafter) and
    the final normed hidden state (the ``lm_head`` input) at every position. Both are cached on disk
@@ -33,7 +33,7 @@
    confidence head reads the slot state only. AdamW, linear warm-up + cosine, gradient clipping 1.0.
    ``--train-dtype bfloat16``: mixed precision (float32 master weights and optimiser, the forward's
    matrix products and attention in bfloat16 under autocast, the loss in float32): ~1.4x faster per
-   step on a 2-core AMX CPU, where the float32 element-wise work over the draft vocabulary is what
+   step on a 2-core AVX512-BF16 CPU, where the float32 element-wise work over the draft vocabulary is what
    remains; the default is float32.
 5. **Calibration (STS).** Sequential temperature scaling of the confidence head on the held-out
    blocks: one temperature per slot, fitted left to right by grid search so that the cumulative
