@@ -170,6 +170,7 @@ class SpecserveSession(Session):
         try:
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
             self.llm.reset_metrics()
+            self.stats_before = dict(self.llm.engine.stats)
             self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
         except BaseException:  # no session to close yet: stop the engine (and its TP workers) here
             self.llm.shutdown()
@@ -196,6 +197,7 @@ class SpecserveSession(Session):
                 per_rank = runner.helper_report(name, "draft_step_collectives", 1)
                 extra["collectives_per_draft_step"] = per_rank[0]
         extra.update({k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+        extra.update(step_breakdown(llm.engine.stats, self.stats_before))
         return MethodResult(outputs, self.wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
                             extra=extra)
 
@@ -203,6 +205,17 @@ class SpecserveSession(Session):
         self.llm.shutdown()
         del self.llm
         super().close()
+
+
+def step_breakdown(stats: dict, before: dict) -> dict:
+    """Where a decoding step's time went, from the engine's counters since ``before``: ``ms_per_step``
+    (whole steps), ``draft_ms_per_step`` (the drafter's share) and ``verified_tokens_per_step`` (tokens
+    through the target's forward). With one request at a time, a row's speedup over plain decoding is
+    its tau times the ratio of plain decoding's ms_per_step to its own."""
+    d = {k: stats[k] - before.get(k, 0) for k in ("decode_s", "decode_steps", "draft_s", "verified_tokens")}
+    n = max(1, d["decode_steps"])
+    return {"ms_per_step": round(1e3 * d["decode_s"] / n, 3), "draft_ms_per_step": round(1e3 * d["draft_s"] / n, 3),
+            "verified_tokens_per_step": round(d["verified_tokens"] / n, 3)}
 
 
 def _rank0_collectives(runner) -> int:
@@ -527,8 +540,10 @@ def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave:
 
 
 def format_table(rows: list[dict]) -> str:
-    """method | dtype | tok/s | vs none | ours/hf | identical | mean acc. length."""
-    head = ["method", "dtype", "tok/s", "vs none", "ours/hf", "identical", "acc.len", "tokens"]
+    """method | dtype | tok/s | vs none | ours/hf | identical | mean acc. length | tokens | ms per decoding
+    step | of which drafting | tokens verified per step."""
+    head = ["method", "dtype", "tok/s", "vs none", "ours/hf", "identical", "acc.len", "tokens", "ms/step", "draft ms",
+            "verified/step"]
     tp = any("collectives_per_token" in r for r in rows)
     if tp:
         head += ["coll/token", "coll/draft step"]
@@ -542,7 +557,9 @@ def format_table(rows: list[dict]) -> str:
             ident = "(baseline)"
         body.append([r["method"], r["dtype"], f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] is not None else "-", ours_hf, ident,
-                     f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])])
+                     f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])]
+                    + ([f"{r['ms_per_step']:.1f}", f"{r['draft_ms_per_step']:.1f}", f"{r['verified_tokens_per_step']:.1f}"]
+                       if "ms_per_step" in r else ["-"] * 3))
         if tp:
             step = r.get("collectives_per_draft_step")
             body[-1] += [f"{r.get('collectives_per_token', 0):.1f}",

@@ -70,7 +70,10 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
+        # decode_s: whole decoding steps (decode_steps of them), draft_s: the drafter's part of them,
+        # verified_tokens: the tokens their target forwards ran (1 per sequence and step without drafts)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "decode_steps": 0, "draft_s": 0.0, "verified_tokens": 0,
                       "ngram_branch_tokens": 0, "ngram_branch_wins": 0}
 
     # ---- requests -----------------------------------------------------------------------------
@@ -170,7 +173,9 @@ class LLMEngine:
         planned = self.proposer.plans_branches and self.ngram_branch
         if any(budgets):
             branches = [[self.branch_acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned else None
+            t_draft = time.perf_counter()
             prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
+            self.stats["draft_s"] += time.perf_counter() - t_draft
         else:
             prop = Proposal([[] for _ in seqs])
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
@@ -199,6 +204,7 @@ class LLMEngine:
                 masks.append(None)
                 positions.append(list(range(st, st + 1 + len(c))))
         any_tree = prop.has_trees
+        self.stats["verified_tokens"] += sum(len(t) for t in tokens)
         out = self.runner.forward(0, tokens, starts, "all", aux_layers=self.proposer.aux_layers,
                                   tree_mask=masks if any_tree else None, positions=positions if any_tree else None,
                                   return_hidden=self.proposer.needs_hidden)
@@ -229,6 +235,7 @@ class LLMEngine:
                 self.branch_acceptance.observe(key, toks, emitted)
             emitted_total += s.append_tokens(emitted)
         self.stats["decode_tokens"] += emitted_total
+        self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
 
     @property
