@@ -905,7 +905,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
            if args.init_from is not None else {}),
         "feature_dtype": args.feature_dtype,
         "train_dtype": args.train_dtype,
-        "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if args.mask_token_id is None else 'chosen'})",
+        "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if mask_id == tcfg.vocab_size - 1 else 'chosen'})",
         "seed": args.seed,
         "epochs": args.epochs,
         "lr": args.lr,
