@@ -278,10 +278,16 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     w1, w2 = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
     assert set(w1) == set(w2) and torch.equal(w1["d2t"], w2["d2t"])
     assert not torch.equal(w1["fc.weight"], w2["fc.weight"])  # trained further
-    assert t2["init_from"] == {"path": str(first), "command": "specserve " + " ".join(argv1)}
+    assert t2["init_from"] == {"path": str(first), "command": "specserve " + " ".join(argv1),
+                               "total_s": t1["timings_s"]["total_s"]}
     assert t2["command"] == "specserve " + " ".join(argv2)
     readme = (second / "README.md").read_text()
-    assert f"Initialised from** the drafter at `{first}`" in readme and " ".join(argv1[2:5]) in readme
+    assert f"Initialised from** the drafter at `{first}` (made by `specserve train dspark --out" in readme
+    # trained further in place: the README says it started from what the directory held
+    argv3 = ["train", "dspark", "--out", str(second), "--init-from", str(second), "--epochs", "1", *common]
+    assert main(argv3) == 0
+    assert "Initialised from** the drafter this directory held before this run (made by `specserve train dspark --out " \
+           f"{second} --init-from" in (second / "README.md").read_text()
     _greedy_identical(tiny_llama, second, "dspark")
 
     # the shape comes from the checkpoint: shape options beside --init-from are errors, naming them
