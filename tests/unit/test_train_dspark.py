@@ -283,6 +283,7 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     assert t2["command"] == "specserve " + " ".join(argv2)
     readme = (second / "README.md").read_text()
     assert f"Initialised from** the drafter at `{first}` (made by `specserve train dspark --out" in readme
+    assert "Draft vocabulary: the 100 most frequent tokens of the starting drafter's training responses" in readme
     # trained further in place: the README says it started from what the directory held
     argv3 = ["train", "dspark", "--out", str(second), "--init-from", str(second), "--epochs", "1", *common]
     assert main(argv3) == 0
