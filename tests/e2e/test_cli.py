@@ -73,7 +73,8 @@ def test_bench_none_hf_ngram_float32(tmp_path):
     # drafter verifies its drafts (at least the tokens it accepts) and spends part of each step drafting
     assert rows[0]["verified_tokens_per_step"] == 1.0 and rows[0]["draft_ms_per_step"] == 0.0
     assert 0 < rows[0]["ms_per_step"] and "ms_per_step" not in rows[1]  # hf: not our engine
-    assert ngram["verified_tokens_per_step"] >= ngram["mean_acceptance_length"] > 1.0
+    assert ngram["verified_tokens_per_step"] > 1.0
+    assert ngram["verified_tokens_per_step"] >= ngram["mean_acceptance_length"]
     assert 0 < ngram["draft_ms_per_step"] < ngram["ms_per_step"]
     for row in rows:
         for key in ("tokens_per_s", "speedup_vs_none", "num_prompts", "max_tokens", "temperature", "generated_tokens",
