@@ -78,7 +78,7 @@ def pack_linears(module: torch.nn.Module) -> None:
             m.pack()
 
 
-ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count up to this
+ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count from 2 up to this
 
 
 def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) -> None:
@@ -86,7 +86,8 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
     else shares the forward (CPU, bfloat16, packed weights): verifying a chain or a tree of k tokens then
     reproduces k one-token steps, so greedy speculative decoding gives plain decoding's tokens in
     bfloat16 as it does in float32. GEMMs run in blocks of at most ``row_block`` rows (exact by
-    construction: each row's bits are the kernel's for any row count up to 32); attention runs in
+    construction: each row's bits are the kernel's for any row count from 2 up to 32, and a lone row gets
+    a zero row beside it, as one row alone takes another kernel on CPUs without AMX); attention runs in
     float64 (``Attention.forward``). Costs extra GEMM calls for forwards over more than ``row_block``
     rows (prefill, trees over 32 nodes, batches), and the float64 attention ~5% of a decoding step."""
     for m in module.modules():

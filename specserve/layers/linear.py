@@ -58,15 +58,24 @@ PACK_BATCH_HINT = 16  # the verify widths we run (1..16 tokens) all do well with
 
 def in_row_blocks(fn, x: torch.Tensor, block: int) -> torch.Tensor:
     """``fn`` (row-wise: each output row depends on its input row only) applied to at most ``block``
-    rows of ``x`` (rows: all dims but the last) at a time; ``block`` 0 = all at once. oneDNN's bf16 GEMM
-    gives every row the same bits for any row count up to 32, but switches kernels above that: fed in
-    blocks, a row's result no longer depends on how many rows travel with it (see
-    ``model_runner.make_batch_invariant``)."""
+    rows of ``x`` (rows: all dims but the last) at a time, and never to a single row alone; ``block`` 0 =
+    all at once, as given. oneDNN's bf16 GEMM gives every row the same bits for any row count from 2 up
+    to 32, but switches kernels above that, and on a CPU without AMX one row alone takes a kernel that
+    sums in another order (measured on the 1536-wide down projection of the default model): fed in
+    blocks, a lone row padded with a zero row, a row's result no longer depends on how many rows travel
+    with it (see ``model_runner.make_batch_invariant``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not block or rows <= block:
+    if not block or 1 < rows <= block or rows == 0:
         return fn(x)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.cat([fn(flat[i : i + block]) for i in range(0, rows, block)])
+    outs = []
+    for i in range(0, rows, block):
+        part = flat[i : i + block]
+        if part.shape[0] == 1:  # the kernel of 2..block rows, not the one of a lone row
+            outs.append(fn(torch.cat([part, torch.zeros_like(part)]))[:1])
+        else:
+            outs.append(fn(part))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

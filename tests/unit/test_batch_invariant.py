@@ -25,6 +25,13 @@ def test_in_row_blocks_applies_fn_to_blocks_of_rows():
     assert torch.equal(out, x.sum(-1, keepdim=True) * 2)
     sizes.clear()
     assert torch.equal(in_row_blocks(fn, x, 0), x.sum(-1, keepdim=True) * 2) and len(sizes) == 1  # whole
+    # never one row alone: a lone row (a decoding step, or a last block of one) travels with a zero row
+    sizes.clear()
+    one = x[:1, :1]
+    assert torch.equal(in_row_blocks(fn, one, 32), one.sum(-1, keepdim=True) * 2) and sizes == [2]
+    sizes.clear()
+    y = x.reshape(-1, 3)[:65]
+    assert torch.equal(in_row_blocks(fn, y, 32), y.sum(-1, keepdim=True) * 2) and sizes == [32, 32, 2]
 
 
 def _singles(runner, slot, prompt, cont):
