@@ -265,10 +265,10 @@ def _add_train_dspark_parser(tsub) -> None:
     m.set_defaults(func=cmd_train_dspark)
 
 
-# the drafter-shape options of ``train dspark`` and their defaults (``--init-from`` takes them from the checkpoint)
-DSPARK_SHAPE_DEFAULTS = {"num_layers": 1, "block_size": 7, "markov_rank": 64, "markov_head_type": "vanilla",
-                         "target_layer_ids": "auto", "num_target_layers": 5, "mask_token_id": None,
-                         "draft_vocab_size": 0}
+# the drafter-shape options of ``train dspark`` (``--init-from`` takes them from the checkpoint); not given
+# (None, or --draft-vocab-size's shared default 0), DSparkTrainArgs' own defaults apply
+DSPARK_SHAPE_OPTIONS = ("num_layers", "block_size", "markov_rank", "markov_head_type", "target_layer_ids",
+                        "num_target_layers", "mask_token_id", "draft_vocab_size")
 
 
 def _version() -> str:
@@ -445,15 +445,12 @@ def cmd_train_dspark(args) -> int:
 
     from specserve.train.dspark import DSparkTrainArgs, train_dspark
 
-    if args.init_from is not None:
-        # given: not None (their parser default), except --draft-vocab-size, shared with train medusa (default 0)
-        given = [k for k in DSPARK_SHAPE_DEFAULTS
-                 if getattr(args, k) not in (None, 0 if k == "draft_vocab_size" else None)]
-        if given:
-            print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop "
-                  + ", ".join("--" + k.replace("_", "-") for k in given), file=sys.stderr)
-            return 2
-    shape = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in DSPARK_SHAPE_DEFAULTS.items()}
+    shape = {k: getattr(args, k) for k in DSPARK_SHAPE_OPTIONS
+             if getattr(args, k) not in (None, 0 if k == "draft_vocab_size" else None)}
+    if args.init_from is not None and shape:
+        print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop "
+              + ", ".join("--" + k.replace("_", "-") for k in shape), file=sys.stderr)
+        return 2
     targs = DSparkTrainArgs(
         out=args.out, model=args.model, **shape, init_from=args.init_from,
         anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,

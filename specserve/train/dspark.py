@@ -1045,9 +1045,8 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     chat = "through its chat template, " if sd["chat_template"] else ""
     if cfg.pruned_vocab:
         fmt = "speculators format, `speculators_model_type: dspark`"
-        chosen = ("the {n:,} most frequent tokens of the starting drafter's training responses"
-                  if meta.get("init_from") else "the {n:,} most frequent tokens of the training responses")
-        vocab = (f"Draft vocabulary: {chosen.format(n=cfg.draft_vocab_size)} "
+        whose = "the starting drafter's" if meta.get("init_from") else "the"
+        vocab = (f"Draft vocabulary: the {cfg.draft_vocab_size:,} most frequent tokens of {whose} training responses "
                  f"(`d2t`), covering {100 * meta['heldout_draft_vocab_coverage']:.2f}% of the held-out response "
                  "tokens, with the drafter's own lm_head over them (initialised from the target's rows, trained); "
                  "the embedding is the target's (frozen, not stored).")
