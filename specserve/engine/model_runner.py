@@ -23,7 +23,7 @@ from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_gro
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import ParallelLMHead
-from specserve.layers.linear import LinearBase, mkldnn_packing_available
+from specserve.layers.linear import LinearBase, lone_row_differs, mkldnn_packing_available, packed_or_dense_linear
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_weights, read_config
 
@@ -86,15 +86,34 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
     else shares the forward (CPU, bfloat16, packed weights): verifying a chain or a tree of k tokens then
     reproduces k one-token steps, so greedy speculative decoding gives plain decoding's tokens in
     bfloat16 as it does in float32. GEMMs run in blocks of at most ``row_block`` rows (exact by
-    construction: each row's bits are the kernel's for any row count from 2 up to 32, and a lone row gets
-    a zero row beside it, as one row alone takes another kernel on CPUs without AMX); attention runs in
-    float64 (``Attention.forward``). Costs extra GEMM calls for forwards over more than ``row_block``
-    rows (prefill, trees over 32 nodes, batches), and the float64 attention ~5% of a decoding step."""
+    construction: each row's bits are the kernel's for any row count from 2 up to 32); a lone row gets a
+    zero row beside it where a probe at load time (``lone_row_differs``, one per weight shape) finds that
+    one row alone takes a kernel that sums in another order (on CPUs without AMX: the default model's
+    1536-wide down projection); attention runs in float64 (``Attention.forward``). Costs extra GEMM calls
+    for forwards over more than ``row_block`` rows (prefill, trees over 32 nodes, batches), and the
+    float64 attention ~5% of a decoding step."""
+    probed: dict[tuple, bool] = {}
     for m in module.modules():
         if isinstance(m, (LinearBase, ParallelLMHead)):
             m.row_block = row_block
+            m.pad_lone_row = _lone_row_differs(m, probed)
         elif isinstance(m, Attention):
             m.float64 = True
+
+
+def _lone_row_differs(m, probed: dict) -> bool:
+    """``lone_row_differs`` for the GEMM of linear or LM head ``m`` (with and without its bias), probed
+    once per weight shape."""
+    w = m.packed if m.packed is not None else m.weight  # a packed weight keeps its logical shape
+    bias = m.bias
+    if isinstance(m, ParallelLMHead):
+        fns = [lambda x: packed_or_dense_linear(x, m.packed, m.weight, bias)]
+    else:
+        fns = [m.dense_matmul] + ([lambda x: m.dense_matmul(x, bias)] if bias is not None else [])
+    key = (tuple(w.shape), w.dtype, m.packed is not None, bias is not None)
+    if key not in probed:
+        probed[key] = any(lone_row_differs(fn, w.shape[1], w.dtype) for fn in fns)
+    return probed[key]
 
 
 @dataclass

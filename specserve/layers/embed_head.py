@@ -58,6 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed = None  # oneDNN copy of the weight (CPU), set by ``pack``; the dense weight stays (tied embedding)
     row_block = 0  # > 0: logits of at most this many rows per GEMM (``in_row_blocks``)
+    pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
     def pack(self, batch_hint: int = 16) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
@@ -82,7 +83,7 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
         logits = in_row_blocks(lambda rows: packed_or_dense_linear(rows, head.packed, head.weight, head.bias), hidden,
-                               head.row_block)
+                               head.row_block, head.pad_lone_row)
         if head.tp_size > 1:
             logits = head.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

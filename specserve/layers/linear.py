@@ -56,27 +56,43 @@ def mkldnn_packing_available(dtype: torch.dtype) -> bool:
 PACK_BATCH_HINT = 16  # the verify widths we run (1..16 tokens) all do well with this layout
 
 
-def in_row_blocks(fn, x: torch.Tensor, block: int) -> torch.Tensor:
+def in_row_blocks(fn, x: torch.Tensor, block: int, pad_lone_row: bool = True) -> torch.Tensor:
     """``fn`` (row-wise: each output row depends on its input row only) applied to at most ``block``
-    rows of ``x`` (rows: all dims but the last) at a time, and never to a single row alone; ``block`` 0 =
-    all at once, as given. oneDNN's bf16 GEMM gives every row the same bits for any row count from 2 up
-    to 32, but switches kernels above that, and on a CPU without AMX one row alone takes a kernel that
-    sums in another order (measured on the 1536-wide down projection of the default model): fed in
-    blocks, a lone row padded with a zero row, a row's result no longer depends on how many rows travel
-    with it (see ``model_runner.make_batch_invariant``)."""
+    rows of ``x`` (rows: all dims but the last) at a time and, with ``pad_lone_row``, never to a single
+    row alone; ``block`` 0 = all at once, as given. oneDNN's bf16 GEMM gives every row the same bits for
+    any row count from 2 up to 32, but switches kernels above that, and on a CPU without AMX one row
+    alone may take a kernel that sums in another order (measured on the 1536-wide down projection of the
+    default model; ``lone_row_differs`` finds the shapes): fed in blocks, a lone row padded with a zero
+    row, a row's result no longer depends on how many rows travel with it (see
+    ``model_runner.make_batch_invariant``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not block or 1 < rows <= block or rows == 0:
+    if not block or 1 < rows <= block or rows == 0 or (rows == 1 and not pad_lone_row):
         return fn(x)
     flat = x.reshape(rows, x.shape[-1])
     outs = []
     for i in range(0, rows, block):
         part = flat[i : i + block]
-        if part.shape[0] == 1:  # the kernel of 2..block rows, not the one of a lone row
+        if part.shape[0] == 1 and pad_lone_row:  # the kernel of 2..block rows, not the one of a lone row
             outs.append(fn(torch.cat([part, torch.zeros_like(part)]))[:1])
         else:
             outs.append(fn(part))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@torch.inference_mode()
+def lone_row_differs(fn, in_features: int, dtype: torch.dtype, trials: int = 8, rows: int = 4) -> bool:
+    """Whether the row-wise ``fn`` gives a row alone other bits than the same row among ``rows`` others
+    (on any of ``trials`` random inputs): then the kernel of one row sums in another order and
+    ``in_row_blocks`` must pad a lone row. Kernels are chosen by shape and dtype, not values, so a probe
+    per shape decides for every layer of that shape."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(trials):
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        full = fn(x)
+        if any(not torch.equal(fn(x[i : i + 1]), full[i : i + 1]) for i in range(rows)):
+            return True
+    return False
 
 
 def packed_or_dense_linear(x: torch.Tensor, packed, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -98,14 +114,18 @@ class LinearBase(nn.Module):
         self.has_bias = bias
         self.packed = None
         self.row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
+        self.pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
+    def dense_matmul(self, x, bias=None):
+        """``x W^T (+ bias)`` in one GEMM, as given."""
+        return packed_or_dense_linear(x, self.packed, self.weight, bias)
+
     def _matmul(self, x, bias=None):
-        return in_row_blocks(lambda rows: packed_or_dense_linear(rows, self.packed, self.weight, bias), x,
-                             self.row_block)
+        return in_row_blocks(lambda rows: self.dense_matmul(rows, bias), x, self.row_block, self.pad_lone_row)
 
 
 class ReplicatedLinear(LinearBase):

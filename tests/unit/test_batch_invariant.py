@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.engine.model_runner import ROW_BLOCK, ModelRunner
-from specserve.layers.linear import in_row_blocks, mkldnn_packing_available
+from specserve.layers.linear import in_row_blocks, lone_row_differs, mkldnn_packing_available, packed_or_dense_linear
 from specserve.sample.tree import TreeBuffers
 
 needs_bf16 = pytest.mark.skipif(not mkldnn_packing_available(torch.bfloat16),
@@ -32,6 +32,29 @@ def test_in_row_blocks_applies_fn_to_blocks_of_rows():
     sizes.clear()
     y = x.reshape(-1, 3)[:65]
     assert torch.equal(in_row_blocks(fn, y, 32), y.sum(-1, keepdim=True) * 2) and sizes == [32, 32, 2]
+    # a shape whose lone row takes the same kernel is not padded
+    sizes.clear()
+    assert torch.equal(in_row_blocks(fn, y, 32, pad_lone_row=False), y.sum(-1, keepdim=True) * 2)
+    assert sizes == [32, 32, 1]
+    sizes.clear()
+    assert torch.equal(in_row_blocks(fn, one, 32, pad_lone_row=False), one.sum(-1, keepdim=True) * 2) and sizes == [1]
+
+
+def test_lone_row_probe_tells_a_kernel_that_sums_one_row_differently():
+    assert not lone_row_differs(lambda x: x * 3 - 1, 16, torch.float32)  # row-wise whatever the row count
+    # one row alone computed another way (here: off by a few ulp) is found
+    assert lone_row_differs(lambda x: x * 3 - (1 + 1e-6 if x.shape[0] == 1 else 1), 16, torch.float32)
+
+
+@needs_bf16
+def test_only_the_shapes_whose_lone_row_differs_are_padded(tiny_llama):
+    runner = ModelRunner(tiny_llama, dtype="bfloat16", max_num_seqs=1)
+    for m in runner.model.modules():
+        if hasattr(m, "pad_lone_row") and m.packed is not None:
+            w = m.packed
+            fn = m.dense_matmul if hasattr(m, "dense_matmul") else (lambda x, m=m: packed_or_dense_linear(x, w, m.weight, m.bias))
+            assert m.row_block == ROW_BLOCK
+            assert m.pad_lone_row == lone_row_differs(fn, w.shape[1], w.dtype), type(m).__name__
 
 
 def _singles(runner, slot, prompt, cont):
