@@ -274,15 +274,19 @@ def cache_key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object], log=None, what: str = "data"):
+def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object], log=None, what: str = "data",
+                 mmap: bool = False):
     """``compute()`` through a ``torch.save`` file ``{cache_dir}/{prefix}-{key}.pt`` (``cache_dir``
-    None: the default cache, False: no cache). A corrupt file is recomputed."""
+    None: the default cache, False: no cache). A corrupt file is recomputed. ``mmap``: the tensors are
+    mapped from the file, read-only, not held in the process's memory (a freshly computed result is
+    saved, then mapped too): the training features of thousands of prompts outgrow the RAM of a small
+    machine, while the page cache keeps what fits."""
     f = None
     if cache_dir is not False:
         f = Path(cache_dir or default_cache_dir()) / f"{prefix}-{cache_key(key_obj)}.pt"
         if f.exists():
             try:
-                data = torch.load(f, weights_only=True)
+                data = torch.load(f, weights_only=True, mmap=mmap)
                 if log:
                     log(f"{what}: cached, from {f}")
                 return data
@@ -294,6 +298,9 @@ def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object],
         tmp = f.with_suffix(f".tmp{os.getpid()}")
         torch.save(data, tmp)
         tmp.replace(f)
+        if mmap:
+            del data
+            data = torch.load(f, weights_only=True, mmap=True)
     return data
 
 
@@ -302,7 +309,7 @@ CACHE_CHUNK = 400  # items (prompts, sequences) per cache entry of ``cached_chun
 
 def cached_chunks(cache_dir, prefix: str, items: list, key: Callable[[int, list], object],
                   compute: Callable[[int, list], object], log=None, what: str = "data",
-                  chunk: int = CACHE_CHUNK) -> list:
+                  chunk: int = CACHE_CHUNK, mmap: bool = False) -> list:
     """``compute(start, items[start:start + chunk])`` for each consecutive chunk of ``items``, each
     through its own ``cached_torch`` entry keyed by ``key(start, chunk items)``: the list of the chunks'
     results. A longer list that begins with the items of an earlier call reuses that call's entries
@@ -311,7 +318,7 @@ def cached_chunks(cache_dir, prefix: str, items: list, key: Callable[[int, list]
     for start in range(0, len(items), chunk):
         part = items[start : start + chunk]
         out.append(cached_torch(cache_dir, prefix, key(start, part), lambda s=start, p=part: compute(s, p), log,
-                                f"{what} (items {start}..{start + len(part) - 1})"))
+                                f"{what} (items {start}..{start + len(part) - 1})", mmap))
     return out
 
 

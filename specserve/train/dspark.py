@@ -264,7 +264,7 @@ def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=
                 "lengths": [len(h) for _, h in fs]}
 
     chunks = cached_chunks(cache_dir, "dspark-features", [s["ids"] for s in samples],
-                           lambda start, part: {**base, "ids": part}, compute, log, "target features")
+                           lambda start, part: {**base, "ids": part}, compute, log, "target features", mmap=True)
     return [x for d in chunks for x in zip(torch.split(d["aux"], d["lengths"]), torch.split(d["final"], d["lengths"]))]
 
 

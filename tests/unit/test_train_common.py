@@ -119,6 +119,26 @@ def test_cached_chunks_reuses_the_first_chunks_of_a_longer_list(tmp_path):
     assert flat(cached_chunks(False, "t", items, key, compute, chunk=2)) == first and len(calls) == 3
 
 
+def test_cached_chunks_can_map_tensors_from_their_files(tmp_path):
+    """``mmap``: a freshly computed chunk is saved and returned as the file's mapping (not the object
+    computed, which is freed), a cached one mapped too; the values are the computed ones either way, and
+    a mapped tensor can be sliced and read like any other."""
+    made = []
+
+    def compute(start, part):
+        t = {"x": torch.arange(len(part) * 3, dtype=torch.float32).view(len(part), 3) + start}
+        made.append(t["x"])
+        return t
+
+    key = lambda start, part: {"ids": part}  # noqa: E731
+    first = cached_chunks(tmp_path, "m", [1, 2, 3], key, compute, chunk=2, mmap=True)
+    assert len(made) == 2 and all(c["x"] is not m for c, m in zip(first, made))
+    assert all(torch.equal(c["x"], m) for c, m in zip(first, made))
+    again = cached_chunks(tmp_path, "m", [1, 2, 3], key, compute, chunk=2, mmap=True)
+    assert len(made) == 2 and torch.equal(torch.cat([c["x"] for c in again]), torch.cat(made))
+    assert torch.equal(again[0]["x"][1:, 1:] * 2, made[0][1:, 1:] * 2)
+
+
 def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path):
     """A prompt that leaves no room for max_tokens within max_model_len is skipped and logged; the others
     are generated as usual (a long chat turn in a dataset must not stop a training run)."""
