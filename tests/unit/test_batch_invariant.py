@@ -52,7 +52,10 @@ def test_only_the_shapes_whose_lone_row_differs_are_padded(tiny_llama):
     for m in runner.model.modules():
         if hasattr(m, "pad_lone_row") and m.packed is not None:
             w = m.packed
-            fn = m.dense_matmul if hasattr(m, "dense_matmul") else (lambda x, m=m: packed_or_dense_linear(x, w, m.weight, m.bias))
+            if hasattr(m, "dense_matmul"):
+                fn = m.dense_matmul
+            else:  # the LM head
+                fn = lambda x, m=m, w=w: packed_or_dense_linear(x, w, m.weight, m.bias)  # noqa: E731
             assert m.row_block == ROW_BLOCK
             assert m.pad_lone_row == lone_row_differs(fn, w.shape[1], w.dtype), type(m).__name__
 
