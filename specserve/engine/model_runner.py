@@ -23,7 +23,7 @@ from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_gro
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import ParallelLMHead
-from specserve.layers.linear import LinearBase, lone_row_differs, mkldnn_packing_available, packed_or_dense_linear
+from specserve.layers.linear import LinearBase, PackedGEMM, lone_row_differs, mkldnn_packing_available
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_weights, read_config
 
@@ -94,22 +94,19 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
     float64 attention ~5% of a decoding step."""
     probed: dict[tuple, bool] = {}
     for m in module.modules():
-        if isinstance(m, (LinearBase, ParallelLMHead)):
+        if isinstance(m, PackedGEMM):
             m.row_block = row_block
             m.pad_lone_row = _lone_row_differs(m, probed)
         elif isinstance(m, Attention):
             m.float64 = True
 
 
-def _lone_row_differs(m, probed: dict) -> bool:
+def _lone_row_differs(m: PackedGEMM, probed: dict) -> bool:
     """``lone_row_differs`` for the GEMM of linear or LM head ``m`` (with and without its bias), probed
     once per weight shape."""
     w = m.packed if m.packed is not None else m.weight  # a packed weight keeps its logical shape
     bias = m.bias
-    if isinstance(m, ParallelLMHead):
-        fns = [lambda x: packed_or_dense_linear(x, m.packed, m.weight, bias)]
-    else:
-        fns = [m.dense_matmul] + ([lambda x: m.dense_matmul(x, bias)] if bias is not None else [])
+    fns = [m.dense_matmul] + ([lambda x: m.dense_matmul(x, bias)] if bias is not None else [])
     key = (tuple(w.shape), w.dtype, m.packed is not None, bias is not None)
     if key not in probed:
         probed[key] = any(lone_row_differs(fn, w.shape[1], w.dtype) for fn in fns)

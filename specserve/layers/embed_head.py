@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
-from specserve.layers.linear import check_shape, in_row_blocks, packed_or_dense_linear
+from specserve.layers.linear import PackedGEMM, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedGEMM, VocabParallelEmbedding):
     """Output projection hidden -> vocab. Apply it through ``LogitsProcessor``."""
 
     def __init__(self, num_embeddings, embedding_dim, tp=None, disable_tp=False, bias=False, dtype=torch.float32):
@@ -56,11 +56,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         param.data.zero_()
         param.data[: self.vocab_end - self.vocab_start].copy_(loaded[self.vocab_start : self.vocab_end])
 
-    packed = None  # oneDNN copy of the weight (CPU), set by ``pack``; the dense weight stays (tied embedding)
-    row_block = 0  # > 0: logits of at most this many rows per GEMM (``in_row_blocks``)
-    pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
-
     def pack(self, batch_hint: int = 16) -> None:
+        """The oneDNN copy of the weight (CPU); the dense weight stays (a tied embedding reads it)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
 
     def tie_to(self, embed: VocabParallelEmbedding) -> None:
@@ -82,8 +79,7 @@ class LogitsProcessor(nn.Module):
         self.scale = scale
 
     def forward(self, head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        logits = in_row_blocks(lambda rows: packed_or_dense_linear(rows, head.packed, head.weight, head.bias), hidden,
-                               head.row_block, head.pad_lone_row)
+        logits = head._matmul(hidden, head.bias)
         if head.tp_size > 1:
             logits = head.tp.all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

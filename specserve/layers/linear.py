@@ -102,7 +102,24 @@ def packed_or_dense_linear(x: torch.Tensor, packed, weight: torch.Tensor, bias) 
     return F.linear(x, weight, bias)
 
 
-class LinearBase(nn.Module):
+class PackedGEMM:
+    """The GEMM of a layer with a ``weight`` (the linears and the LM head): through the oneDNN-packed
+    copy once ``packed`` is set (CPU), in row blocks once ``row_block`` is set
+    (``model_runner.make_batch_invariant``)."""
+
+    packed = None  # oneDNN copy of the weight, set by the layer's ``pack``
+    row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
+    pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
+
+    def dense_matmul(self, x, bias=None):
+        """``x W^T (+ bias)`` in one GEMM, as given."""
+        return packed_or_dense_linear(x, self.packed, self.weight, bias)
+
+    def _matmul(self, x, bias=None):
+        return in_row_blocks(lambda rows: self.dense_matmul(rows, bias), x, self.row_block, self.pad_lone_row)
+
+
+class LinearBase(PackedGEMM, nn.Module):
     """Base of the TP linears. On CPU, ``pack()`` re-lays the weight out for oneDNN once: a decode
     or verification GEMM with a few rows then runs 1.5-3x faster than through MKL's sgemm."""
 
@@ -112,20 +129,10 @@ class LinearBase(nn.Module):
         self.tp_size = tp.size
         self.tp_rank = tp.rank
         self.has_bias = bias
-        self.packed = None
-        self.row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
-        self.pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
-
-    def dense_matmul(self, x, bias=None):
-        """``x W^T (+ bias)`` in one GEMM, as given."""
-        return packed_or_dense_linear(x, self.packed, self.weight, bias)
-
-    def _matmul(self, x, bias=None):
-        return in_row_blocks(lambda rows: self.dense_matmul(rows, bias), x, self.row_block, self.pad_lone_row)
 
 
 class ReplicatedLinear(LinearBase):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.engine.model_runner import ROW_BLOCK, ModelRunner
-from specserve.layers.linear import in_row_blocks, lone_row_differs, mkldnn_packing_available, packed_or_dense_linear
+from specserve.layers.linear import PackedGEMM, in_row_blocks, lone_row_differs, mkldnn_packing_available
 from specserve.sample.tree import TreeBuffers
 
 needs_bf16 = pytest.mark.skipif(not mkldnn_packing_available(torch.bfloat16),
@@ -49,15 +49,12 @@ def test_lone_row_probe_tells_a_kernel_that_sums_one_row_differently():
 @needs_bf16
 def test_only_the_shapes_whose_lone_row_differs_are_padded(tiny_llama):
     runner = ModelRunner(tiny_llama, dtype="bfloat16", max_num_seqs=1)
-    for m in runner.model.modules():
-        if hasattr(m, "pad_lone_row") and m.packed is not None:
-            w = m.packed
-            if hasattr(m, "dense_matmul"):
-                fn = m.dense_matmul
-            else:  # the LM head
-                fn = lambda x, m=m, w=w: packed_or_dense_linear(x, w, m.weight, m.bias)  # noqa: E731
-            assert m.row_block == ROW_BLOCK
-            assert m.pad_lone_row == lone_row_differs(fn, w.shape[1], w.dtype), type(m).__name__
+    gemms = [m for m in runner.model.modules() if isinstance(m, PackedGEMM) and m.packed is not None]
+    assert {type(m).__name__ for m in gemms} >= {"QKVParallelLinear", "RowParallelLinear", "ParallelLMHead"}
+    for m in gemms:
+        w = m.packed
+        assert m.row_block == ROW_BLOCK
+        assert m.pad_lone_row == lone_row_differs(m.dense_matmul, w.shape[1], w.dtype), type(m).__name__
 
 
 def _singles(runner, slot, prompt, cont):
