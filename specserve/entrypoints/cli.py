@@ -80,6 +80,9 @@ def _add_train_data_args(m: argparse.ArgumentParser) -> None:
                    help="response tokens per prompt at most (default 128)")
     m.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of the self-distillation (default 0 = greedy)")
+    m.add_argument("--extra-temperature", type=float, action="append", default=None, metavar="T",
+                   help="also train on one more response to each training prompt, sampled at temperature T "
+                        "(> 0) with its own seeds; repeat for more (the held-out responses stay at --temperature)")
     m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
     m.add_argument("--gen-batch-size", type=_positive_int, default=16,
                    help="requests generated together during self-distillation (default 16)")
@@ -413,6 +416,7 @@ def cmd_train_medusa(args) -> int:
         out=args.out, model=args.model, num_heads=args.num_heads, num_layers=args.num_layers,
         own_lm_head=args.own_lm_head, prompts_file=args.prompts, num_prompts=args.num_prompts,
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+        extra_temperatures=tuple(args.extra_temperature or ()),
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size,
         gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress,
@@ -455,6 +459,7 @@ def cmd_train_dspark(args) -> int:
         out=args.out, model=args.model, **shape, init_from=args.init_from,
         anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
         num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
+        extra_temperatures=tuple(args.extra_temperature or ()),
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
         feature_dtype=args.feature_dtype, train_dtype=args.train_dtype,

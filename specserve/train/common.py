@@ -31,6 +31,7 @@ from specserve.train.data import (DataError, default_cache_dir, load_prompts, re
                                   split_prompts)
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
+EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
 INSTRUCTIONS_DESC = "specserve's instruction prompts (specserve.train.instructions: templates x topics)"
 
@@ -83,6 +84,21 @@ def distill_splits(llm, train_p, held_p, *, max_tokens: int, temperature: float,
     train_s = self_distill(llm, train_p, **kw)
     held_s = self_distill(llm, held_p, **{**kw, "seed": seed + HELDOUT_SEED_OFFSET})
     return train_s, held_s
+
+
+def extra_record(args) -> dict:
+    """The training record's note of the extra sampled responses (``extra_temperatures``), if any."""
+    temps = [float(t) for t in getattr(args, "extra_temperatures", ()) or ()]
+    return {"extra_temperatures": temps} if temps else {}
+
+
+def extra_phrase(sd: dict) -> str:
+    """The README's words for a record's extra sampled responses: "" when there were none."""
+    temps = sd.get("extra_temperatures") or []
+    if not temps:
+        return ""
+    return (f"; then one more response to each training prompt sampled at temperature "
+            f"{' and one more at '.join(str(t) for t in temps)}, seeded apart, also trained on")
 
 
 FEATURE_DTYPES = ("float32", "bfloat16")
@@ -168,17 +184,25 @@ class TrainRun:
 
     def distill(self, args, log=None) -> tuple[list[dict], list[dict]]:
         """``distill_splits`` of each source's prompts with the trainer's generation options (each
-        source through its own cache entry), concatenated in source order."""
+        source through its own cache entry), concatenated in source order. Then, for each of
+        ``args.extra_temperatures`` (if any) in turn, one more response to every training prompt,
+        sampled at that temperature with its own seeds, appended source by source (each its own entry
+        of ``train_sizes``); the held-out responses stay at ``args.temperature``."""
         train_s, held_s = [], []
         self.train_sizes, self.held_sizes = [], []
+        kw = dict(max_tokens=args.max_tokens, batch_size=args.gen_batch_size, chat=args.chat,
+                  cache_dir=self.cache_dir, log=log)
         for tr, he in self.parts:
-            a, b = distill_splits(self.llm, tr, he, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  batch_size=args.gen_batch_size, seed=args.seed, chat=args.chat,
-                                  cache_dir=self.cache_dir, log=log)
+            a, b = distill_splits(self.llm, tr, he, temperature=args.temperature, seed=args.seed, **kw)
             train_s += a
             held_s += b
             self.train_sizes.append(len(a))  # self_distill may skip prompts too long for the model
             self.held_sizes.append(len(b))
+        for j, temp in enumerate(getattr(args, "extra_temperatures", ()) or (), start=1):
+            for tr, _ in self.parts:
+                a = self_distill(self.llm, tr, temperature=temp, seed=args.seed + j * EXTRA_SEED_OFFSET, **kw)
+                train_s += a
+                self.train_sizes.append(len(a))
         return train_s, held_s
 
 

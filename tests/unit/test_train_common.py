@@ -172,4 +172,14 @@ def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path)
     train_s, held_s = run.distill(args)
     assert run.train_sizes == [2, 1] and run.held_sizes == [1, 1]
     assert by_source(lambda xs: [len(xs)], train_s, run.train_sizes) == [2, 1]
+    # extra temperatures: one more sampled response to each training prompt, source by source, seeded
+    # apart from the greedy ones and reproducible; the held-out responses do not change
+    args.extra_temperatures = (1.5,)
+    train_x, held_x = run.distill(args)
+    assert run.train_sizes == [2, 1, 2, 1] and run.held_sizes == [1, 1] and held_x == held_s
+    assert train_x[:3] == train_s
+    extra = train_x[3:]
+    assert [(o["prompt"], o["prompt_len"]) for o in extra] == [(o["prompt"], o["prompt_len"]) for o in train_s]
+    assert any(o["ids"] != g["ids"] for o, g in zip(extra, train_s))  # sampled, not the greedy answers again
+    assert run.distill(args)[0][3:] == extra
 

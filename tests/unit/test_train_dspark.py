@@ -236,11 +236,15 @@ def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path
     argv = ["train", "dspark", "--model", str(tiny_llama), "--out", str(out), "--prompts", str(tiny_prompts),
             "--num-prompts", "40", "--max-tokens", "24", "--epochs", "2", "--lr", "3e-3", "--block-size", "3",
             "--markov-rank", "0", "--anchors-per-seq", "8", "--threads", "1", "--cache-dir", str(cache_dir),
-            "--no-progress"]
+            "--no-progress", "--extra-temperature", "1.0"]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert f"to {out}" in stdout and "slot 1: acceptance estimate" in stdout and "slot 3:" in stdout
     cfg = json.loads((out / "config.json").read_text())
+    # --extra-temperature: a second, sampled response to each of the 40 prompts is trained on too
+    assert cfg["training"]["train_prompts"] == 80 and cfg["training"]["self_distillation"]["extra_temperatures"] == [1.0]
+    assert "one more response to each training prompt sampled at temperature 1.0" in (out / "README.md").read_text()
+    assert "80 training sequences" in (out / "README.md").read_text()
     assert cfg["markov_rank"] == 0 and cfg["confidence_head_with_markov"] is False
     assert cfg["training"]["command"] == "specserve " + " ".join(argv) and cfg["training"]["method"] == "dflash"
     assert "specserve train dspark --model" in (out / "README.md").read_text()
@@ -316,6 +320,8 @@ def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
         main(["train", "dspark", "--out", str(tmp_path / "x"), "--markov-rank", "-1"])
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--prompts", str(tmp_path / "missing.txt")]) == 2
     assert "prompts file does not exist" in capsys.readouterr().err
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--extra-temperature", "0"]) == 2
+    assert "extra temperatures must be > 0" in capsys.readouterr().err
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--model", str(tiny_llama), "--prompts",
                  str(tiny_prompts), "--target-layer-ids", "1", "--threads", "1", "--cache-dir",
                  str(tmp_path / "c"), "--max-tokens", "4", "--num-prompts", "2", "--no-progress"]) == 2

@@ -129,7 +129,8 @@ def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_p
     out = tmp_path / "own"
     argv = ["train", "medusa", "--model", str(tiny_llama), "--out", str(out), "--prompts", str(tiny_prompts),
             "--num-prompts", "40", "--max-tokens", "24", "--epochs", "2", "--lr", "1e-2", "--batch-size", "64",
-            "--num-heads", "2", "--own-lm-head", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+            "--num-heads", "2", "--own-lm-head", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress",
+            "--extra-temperature", "0.7", "--extra-temperature", "1.2"]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert f"to {out}" in stdout and "head 0: top-1" in stdout and "head 1: top-1" in stdout
@@ -137,6 +138,10 @@ def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_p
     assert cfg["shared_lm_head"] is False and heads.lm_heads is not None and cfg["num_heads"] == 2
     assert cfg["training"]["command"] == "specserve " + " ".join(argv)
     assert "specserve train medusa --model" in (out / "README.md").read_text()
+    # two extra temperatures: two more sampled responses to each of the 40 prompts
+    assert cfg["training"]["train_prompts"] == 120
+    assert cfg["training"]["self_distillation"]["extra_temperatures"] == [0.7, 1.2]
+    assert "sampled at temperature 0.7 and one more at 1.2" in (out / "README.md").read_text()
 
 
 def test_cli_train_medusa_bad_args(tmp_path, capsys):
@@ -146,6 +151,8 @@ def test_cli_train_medusa_bad_args(tmp_path, capsys):
         main(["train", "medusa", "--num-heads", "2"])  # --out is required
     assert main(["train", "medusa", "--out", str(tmp_path / "x"), "--prompts", str(tmp_path / "missing.txt")]) == 2
     assert "prompts file does not exist" in capsys.readouterr().err
+    assert main(["train", "medusa", "--out", str(tmp_path / "x"), "--extra-temperature", "-1"]) == 2
+    assert "extra temperatures must be > 0" in capsys.readouterr().err
 
 
 def test_prompts_file_split_is_deterministic_and_disjoint(tmp_path):
