@@ -22,8 +22,7 @@ from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import Attention, ForwardContext
-from specserve.layers.embed_head import ParallelLMHead
-from specserve.layers.linear import LinearBase, PackedGEMM, lone_row_differs, mkldnn_packing_available
+from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_weights, read_config
 
@@ -74,7 +73,7 @@ def pack_linears(module: torch.nn.Module) -> None:
     """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
     costs little more than one token's (call after the weights are loaded)."""
     for m in module.modules():
-        if isinstance(m, (LinearBase, ParallelLMHead)):
+        if isinstance(m, PackedGEMM):
             m.pack()
 
 

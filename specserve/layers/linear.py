@@ -111,6 +111,10 @@ class PackedGEMM:
     row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
     pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
+    def pack(self) -> None:
+        """Set ``packed`` (``model_runner.pack_linears``)."""
+        raise NotImplementedError
+
     def dense_matmul(self, x, bias=None):
         """``x W^T (+ bias)`` in one GEMM, as given."""
         return packed_or_dense_linear(x, self.packed, self.weight, bias)
