@@ -86,6 +86,15 @@ def distill_splits(llm, train_p, held_p, *, max_tokens: int, temperature: float,
     return train_s, held_s
 
 
+def check_distill_temperatures(args) -> None:
+    """A trainer's ``validate`` of its self-distillation temperatures: ``temperature`` >= 0 (0 =
+    greedy), every one of ``extra_temperatures`` > 0."""
+    if args.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {args.temperature}")
+    if not all(t > 0 for t in args.extra_temperatures):
+        raise ValueError(f"extra temperatures must be > 0, got {list(args.extra_temperatures)}")
+
+
 def extra_record(args) -> dict:
     """The training record's note of the extra sampled responses (``extra_temperatures``), if any."""
     temps = [float(t) for t in getattr(args, "extra_temperatures", ()) or ()]
