@@ -200,6 +200,16 @@ def _add_train_medusa_parser(tsub) -> None:
     m.set_defaults(func=cmd_train_medusa)
 
 
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
 def _nonneg_int(s: str) -> int:
     try:
         v = int(s)
@@ -264,6 +274,12 @@ def _add_train_dspark_parser(tsub) -> None:
                         "the shape, target layers, mask token and draft vocabulary (so none of --num-layers, "
                         "--block-size, --markov-rank, --markov-head-type, --target-layer-ids, --num-target-layers, "
                         "--mask-token-id, --draft-vocab-size)")
+    m.add_argument("--save-every", type=_nonneg_float, default=10.0, metavar="MIN",
+                   help="save the training loop's state in the cache every MIN minutes (default 10; 0: never): the "
+                        "same command run again after the process was stopped continues from it and writes the "
+                        "weights an uninterrupted run would have written")
+    m.add_argument("--no-resume", action="store_true",
+                   help="train from the start even when a saved state of the same run is in the cache")
     _add_train_data_args(m)
     m.set_defaults(func=cmd_train_dspark)
 
@@ -463,7 +479,8 @@ def cmd_train_dspark(args) -> int:
         epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
         feature_dtype=args.feature_dtype, train_dtype=args.train_dtype,
-        chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only)
+        chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only,
+        save_every_min=args.save_every, resume=not args.no_resume)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_dspark(targs, command=command)

@@ -13,12 +13,17 @@
   cache, prompts, the target loaded for generation) and their thread-count restore.
 - ``select_draft_vocab``: a draft vocabulary (the most frequent response tokens) for drafters whose
   logits cover only part of the target's vocabulary.
+- ``TrainState`` / ``fingerprint``: a long training run's state on disk, saved every few minutes at a
+  step boundary, so that the same command run again after the process was stopped continues from it and
+  ends with the weights an uninterrupted run would have written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -268,6 +273,71 @@ def adamw_cosine(module: torch.nn.Module, lr: float, weight_decay: float, warmup
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(max(1, int(round(warmup * total))), total))
     return params, opt, sched
+
+
+# ---- resumable training ------------------------------------------------------------------------------
+def fingerprint(obj) -> str:
+    """A short hash of ``obj``: tensors (dtype, shape and bytes), lists/tuples, dicts (sorted keys) and
+    scalars, nested. Two runs whose inputs have the same fingerprint train identically."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                feed(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}".encode())
+            for v in x:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode() + b";")
+
+    feed(obj)
+    return h.hexdigest()[:20]
+
+
+class TrainState:
+    """A training loop's state in ``{cache_dir}/{prefix}-{key}.pt`` (``key``: the ``fingerprint`` of
+    everything the run's result depends on: data, initial weights, hyper-parameters), written atomically
+    every ``every_s`` seconds (0: after every step; None: never) at a step boundary. ``load`` returns the
+    last one saved, or None (also when ``resume`` is False). The loop calls ``clear`` when it finishes."""
+
+    def __init__(self, cache_dir, prefix: str, key: str, every_s: float | None = 600.0, resume: bool = True,
+                 log=None):
+        self.path = Path(cache_dir or default_cache_dir()) / f"{prefix}-{key}.pt"
+        self.every_s, self.resume, self.log = every_s, resume, log
+        self._last = time.perf_counter()
+
+    def load(self) -> dict | None:
+        if not self.resume or self.every_s is None or not self.path.exists():
+            return None
+        try:
+            return torch.load(self.path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - unreadable: start over rather than fail
+            if self.log:
+                self.log(f"ignoring the unreadable training state {self.path} ({type(e).__name__}: {e})")
+            return None
+
+    def due(self) -> bool:
+        return self.every_s is not None and time.perf_counter() - self._last >= self.every_s
+
+    def save(self, state: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+        self._last = time.perf_counter()
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 # ---- what decoding would accept -------------------------------------------------------------------------

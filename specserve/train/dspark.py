@@ -75,9 +75,9 @@ import torch.nn.functional as F
 from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
                                     decode_section, evaluated_by, extra_phrase, extra_record, feature_runner,
-                                    keep_num_threads, prompt_sources, replay_by_source, select_draft_vocab,
-                                    start_run)
-from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
+                                    fingerprint, keep_num_threads, prompt_sources, replay_by_source,
+                                    select_draft_vocab, start_run, TrainState)
+from specserve.train.data import DataError, _model_fingerprint, cached_chunks, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
 IGNORE = -100
@@ -130,6 +130,10 @@ class DSparkTrainArgs:
     # weights: its config decides the shape, layers, mask token and draft vocabulary, and the architecture
     # fields above are ignored
     init_from: str | None = None
+    # the training loop's state is saved in the cache every this many minutes (0: never), and the same run
+    # started again continues from it (``resume``), ending with the weights of an uninterrupted run
+    save_every_min: float = 10.0
+    resume: bool = True
 
     def validate(self) -> None:
         for name in ("num_layers", "block_size", "anchors_per_seq", "num_prompts", "max_tokens", "epochs",
@@ -159,6 +163,8 @@ class DSparkTrainArgs:
                 raise ValueError(f"{name} must be one of {', '.join(FEATURE_DTYPES)}, got {getattr(self, name)!r}")
         if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
             parse_layer_ids(self.target_layer_ids)
+        if not (self.save_every_min >= 0):
+            raise ValueError(f"save_every_min must be >= 0 (0: never), got {self.save_every_min}")
         if self.init_from is not None and self.eval_only:
             raise ValueError("init_from trains a drafter further; eval_only trains nothing: pass one of them")
 
@@ -308,7 +314,8 @@ def draft_vocab_ids(drafter) -> torch.Tensor | None:
 
 
 def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, samples: list[dict],
-               chunk: int = 2048, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+               chunk: int = 2048, dtype: torch.dtype = torch.float32, cache: tuple | None = None,
+               log=None) -> list[torch.Tensor]:
     """log-sum-exp over the whole target vocabulary of the target's logits at the response positions of
     every sequence ([T] per sequence, 0 before ``prompt_len``; from its final hidden states): with it,
     a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head. The
@@ -316,21 +323,34 @@ def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, sampl
     padded): per-sequence logits of thousands of different sizes, freed between small tensors that stay,
     fragmented the heap past 24 GB in a 2400-sequence run; one block size is allocated and released whole.
     ``dtype``: of the lm_head product (bfloat16 for mixed-precision training, whose draft logits are
-    bfloat16 products too); the log-sum-exp itself is float32."""
+    bfloat16 products too); the log-sum-exp itself is float32. ``cache``: (cache_dir, key) where ``key``
+    names the target and its features (the result is cached under it with the sequences and ``dtype``): on
+    a million positions the product takes minutes, every run that reads the same features again."""
     spans = []
     for (_, fin), smp in zip(feats, samples):
         lo = min(int(smp["prompt_len"]), fin.shape[0])
         spans.append((lo, fin.shape[0]))
-    rows = torch.cat([fin[lo:hi].float() for (_, fin), (lo, hi) in zip(feats, spans)]) if feats else torch.zeros(0)
-    flat = torch.zeros(rows.shape[0])
-    lm_w, lm_b = lm_w.to(dtype), (None if lm_b is None else lm_b.to(dtype))
-    with torch.no_grad():
-        for a in range(0, rows.shape[0], chunk):
-            x = rows[a : a + chunk].to(dtype)
-            n = x.shape[0]
-            if n < chunk:
-                x = torch.cat([x, x.new_zeros(chunk - n, x.shape[1])])
-            flat[a : a + n] = torch.logsumexp(F.linear(x, lm_w, lm_b).float(), dim=-1)[:n]
+
+    def compute():
+        rows = torch.cat([fin[lo:hi].float() for (_, fin), (lo, hi) in zip(feats, spans)]) if feats else torch.zeros(0)
+        flat = torch.zeros(rows.shape[0])
+        w, b = lm_w.to(dtype), (None if lm_b is None else lm_b.to(dtype))
+        with torch.no_grad():
+            for a in range(0, rows.shape[0], chunk):
+                x = rows[a : a + chunk].to(dtype)
+                n = x.shape[0]
+                if n < chunk:
+                    x = torch.cat([x, x.new_zeros(chunk - n, x.shape[1])])
+                flat[a : a + n] = torch.logsumexp(F.linear(x, w, b).float(), dim=-1)[:n]
+        return flat
+
+    if cache is None:
+        flat = compute()
+    else:
+        key = {"v": 1, "kind": "dspark-lse", "of": cache[1], "dtype": str(dtype), "chunk": chunk,
+               "sequences": fingerprint([[torch.tensor(s["ids"], dtype=torch.int32) for s in samples],
+                                         [s["prompt_len"] for s in samples]])}
+        flat = cached_torch(cache[0], "dspark-lse", key, compute, log, "target log-sum-exp")
     out, i = [], 0
     for (_, fin), (lo, hi) in zip(feats, spans):
         lse = torch.zeros(fin.shape[0])
@@ -520,12 +540,15 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
                   anchors_per_seq: int = 16, epochs: int = 2, lr: float = 6e-4, batch_size: int = 8,
                   warmup: float = 0.04, weight_decay: float = 0.0, loss_decay: float = 4.0,
                   loss_w=(0.1, 0.9, 1.0), grad_clip: float = 1.0, seed: int = 0, progress: bool = True,
-                  log=None, train_dtype: str = "float32") -> dict:
+                  log=None, train_dtype: str = "float32", state: TrainState | None = None) -> dict:
     """Train ``drafter`` in place. Each epoch draws ``anchors_per_seq`` random anchors per sequence
     (without replacement) and takes ``batch_size`` sequences per step. ``train_dtype`` "bfloat16":
-    the forward runs under bfloat16 autocast (the weights, gradients and optimiser stay float32). Returns ``epoch_loss``,
-    ``epoch_acceptance`` ([epoch][G] mean c* per slot on the training blocks), ``step_loss``,
-    ``steps``, ``blocks`` (per epoch)."""
+    the forward runs under bfloat16 autocast (the weights, gradients and optimiser stay float32).
+    ``state``: where the loop saves itself when due and, if a saved state is there, continues from it
+    (the weights, optimiser, schedule, random generator and running sums, so the result is the one of an
+    uninterrupted run); cleared at the end. Returns ``epoch_loss``, ``epoch_acceptance`` ([epoch][G] mean
+    c* per slot on the training blocks), ``step_loss``, ``steps``, ``blocks`` (per epoch),
+    ``resumed_at`` (the steps a run continued from) and ``train_s`` (seconds of training, in all runs)."""
     usable = [i for i, s in enumerate(samples) if anchor_range(s)[1] > anchor_range(s)[0]]
     if not usable:
         raise DataError("no training blocks: every response is shorter than 2 tokens")
@@ -536,13 +559,29 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
     gen = torch.Generator().manual_seed(seed)
     mixed = train_dtype == "bfloat16"
     feats_dtype = torch.bfloat16 if mixed else torch.float32
-    epoch_loss, epoch_acc, step_loss, blocks = [], [], [], []
+    epoch_loss, epoch_acc, step_loss, blocks, resumed_at = [], [], [], [], []
+    t0, before_s, first_ep, first_step, saved = time.perf_counter(), 0.0, 0, 0, None
+    if state is not None and (saved := state.load()) is not None:
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        gen.set_state(saved["generator"])
+        epoch_loss, epoch_acc, step_loss, blocks = (saved[k] for k in ("epoch_loss", "epoch_acc", "step_loss", "blocks"))
+        first_ep, first_step, before_s = saved["epoch"], saved["step"], saved["train_s"]
+        resumed_at = saved["resumed_at"] + [first_ep * steps_per_epoch + first_step]
+        if log:
+            log(f"resuming training at epoch {first_ep + 1} step {first_step}/{steps_per_epoch} from {state.path} "
+                f"({before_s:.0f} s of training done)")
     drafter.train()
-    for ep in range(epochs):
-        order = [usable[j] for j in torch.randperm(len(usable), generator=gen).tolist()]
-        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
-        tot, cs, cn, nb = 0.0, torch.zeros(gamma, dtype=torch.float64), torch.zeros(gamma, dtype=torch.float64), 0
-        for s in range(steps_per_epoch):
+    for ep in range(first_ep, epochs):
+        if saved is not None and ep == first_ep:
+            order, (tot, cs, cn, nb) = saved["order"], saved["sums"]
+        else:
+            order = [usable[j] for j in torch.randperm(len(usable), generator=gen).tolist()]
+            tot, cs, cn, nb = 0.0, torch.zeros(gamma, dtype=torch.float64), torch.zeros(gamma, dtype=torch.float64), 0
+        start = first_step if ep == first_ep else 0
+        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress, initial=start)
+        for s in range(start, steps_per_epoch):
             items = []
             for i in order[s * batch_size : (s + 1) * batch_size]:
                 lo, hi = anchor_range(samples[i])
@@ -567,6 +606,12 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
                 acc = (cs / cn.clamp(min=1)).tolist()
                 bar.set_postfix_str(f"loss {lv:.3f} acc " + "/".join(f"{x:.2f}" for x in acc), refresh=False)
                 bar.update(1)
+            if state is not None and state.due():
+                state.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "generator": gen.get_state(), "epoch": ep,
+                            "step": s + 1, "order": order, "sums": (tot, cs, cn, nb), "epoch_loss": epoch_loss,
+                            "epoch_acc": epoch_acc, "step_loss": step_loss, "blocks": blocks,
+                            "resumed_at": resumed_at, "train_s": before_s + time.perf_counter() - t0, "train_s_before": before_s})
         if bar:
             bar.close()
         epoch_loss.append(tot / steps_per_epoch)
@@ -576,8 +621,11 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
             log(f"epoch {ep + 1}/{epochs}: mean loss {epoch_loss[-1]:.4f}, training acceptance estimate per slot "
                 + " ".join(f"{x:.3f}" for x in epoch_acc[-1]))
     drafter.eval()
+    if state is not None:
+        state.clear()
     return {"epoch_loss": epoch_loss, "epoch_acceptance": epoch_acc, "step_loss": step_loss, "steps": total,
-            "blocks": blocks}
+            "blocks": blocks, "resumed_at": resumed_at, "train_s": before_s + time.perf_counter() - t0,
+            "train_s_before": before_s}
 
 
 # ---- evaluation and calibration ------------------------------------------------------------------------
@@ -781,6 +829,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
 
     run = start_run(args)
     t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
+    model_fp = _model_fingerprint(model_dir)
     data_desc, gen_dtype = run.data_desc, run.gen_dtype
 
     # -- self-distillation
@@ -852,8 +901,11 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         resp = torch.cat([torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long) for s in held_s])
         vocab_cover = float(inside[resp].float().mean()) if resp.numel() else 1.0
         lse_dtype = getattr(torch, args.train_dtype)  # the held-out figures are float32 products either way
-        f_train = [(a, h, l) for (a, h), l in zip(f_train, target_lse(lm_w, lm_b, f_train, train_s, dtype=lse_dtype))]
-        f_held = [(a, h, l) for (a, h), l in zip(f_held, target_lse(lm_w, lm_b, f_held, held_s))]
+        lse_cache = (cache_dir, {"model": model_fp, "feature_dtype": args.feature_dtype})
+        f_train = [(a, h, l) for (a, h), l in
+                   zip(f_train, target_lse(lm_w, lm_b, f_train, train_s, dtype=lse_dtype, cache=lse_cache, log=log))]
+        f_held = [(a, h, l) for (a, h), l in zip(f_held, target_lse(lm_w, lm_b, f_held, held_s, cache=lse_cache,
+                                                                     log=log))]
         timings["draft_vocab_s"] = time.perf_counter() - t
         log(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens; they cover "
             f"{100 * vocab_cover:.2f}% of the held-out response tokens")
@@ -871,13 +923,21 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     timings["eval_init_s"] = time.perf_counter() - t
     log(f"held-out at init: loss {init_ev['loss']:.4f}, tau estimate {init_ev['tau']:.3f}")
 
-    t = time.perf_counter()
+    hyper = dict(anchors_per_seq=args.anchors_per_seq, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                 warmup=args.warmup, weight_decay=args.weight_decay, loss_decay=args.loss_decay, loss_w=loss_w,
+                 grad_clip=args.grad_clip, seed=args.seed, train_dtype=args.train_dtype)
+    state = None
+    if args.save_every_min > 0:  # everything the trained weights depend on names the saved state
+        key = fingerprint({"model": model_fp, "feature_dtype": args.feature_dtype, "config": cfg.to_dict(),
+                           "init": drafter.state_dict(), "hyper": hyper,
+                           "data": [torch.tensor(s["ids"], dtype=torch.int32) for s in train_s],
+                           "prompt_lens": [s["prompt_len"] for s in train_s]})
+        state = TrainState(cache_dir, "dspark-train-state", key, every_s=60.0 * args.save_every_min,
+                           resume=args.resume, log=log)
     tr = train_drafter(drafter, train_s, f_train, lm_w, lm_b, embed_w, gamma=G, mask_token_id=mask_id,
-                       anchors_per_seq=args.anchors_per_seq, epochs=args.epochs, lr=args.lr,
-                       batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
-                       loss_decay=args.loss_decay, loss_w=loss_w, grad_clip=args.grad_clip, seed=args.seed,
-                       progress=args.progress, log=log, train_dtype=args.train_dtype)
-    timings["train_s"] = time.perf_counter() - t
+                       progress=args.progress, log=log, state=state, **hyper)
+    timings["train_s"] = tr["train_s"]  # earlier runs' part too when it continued a saved state
+    t_start -= tr["train_s_before"]
 
     # -- evaluation (weights as saved) + STS
     t = time.perf_counter()
@@ -924,6 +984,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "train_response_tokens": n_resp,
         "train_blocks_per_epoch": tr["blocks"][0] if tr["blocks"] else 0,
         "steps": tr["steps"],
+        **({"resumed_at_steps": tr["resumed_at"]} if tr["resumed_at"] else {}),
         "epoch_loss": r3(tr["epoch_loss"]),
         "epoch_train_acceptance": [r3(x) for x in tr["epoch_acceptance"]],
         "heldout_loss_init": round(init_ev["loss"], 5),
@@ -1002,6 +1063,14 @@ def _evaluate_saved(args, command, log, drafter, cfg, raw: dict, held_s, f_held,
             "config": cfg.to_dict(), "heldout_samples": held_s}
 
 
+def _resumed(meta: dict) -> str:
+    at = meta.get("resumed_at_steps")
+    if not at:
+        return ""
+    return (" (the run was stopped and continued from its saved state at step" + ("s " if len(at) > 1 else " ")
+            + ", ".join(map(str, at)) + ": the same weights as one uninterrupted run)")
+
+
 def _precision(train_dtype: str) -> str:
     if train_dtype == "bfloat16":
         return "bfloat16 mixed precision (autocast forward, float32 weights and optimiser)"
@@ -1078,7 +1147,7 @@ Generated by `specserve train dspark` (the target is frozen; only the drafter is
   {meta['loss']['confidence_bce']} BCE(confidence, c*)) / sum_k w_k with w_k = {meta['loss']['slot_weight']} and
   c* = 1 - TV; AdamW lr {meta['lr']}, weight decay {meta['weight_decay']}, {meta['warmup']:.0%} linear warm-up then
   cosine, gradient clipping {meta['grad_clip']}, {meta['batch_size_sequences']} sequences per step,
-  {meta['epochs']} epoch(s) = {meta['steps']} steps, {_precision(meta.get('train_dtype', 'float32'))}. Mean loss per epoch
+  {meta['epochs']} epoch(s) = {meta['steps']} steps{_resumed(meta)}, {_precision(meta.get('train_dtype', 'float32'))}. Mean loss per epoch
   {', '.join(f'{x:.3f}' for x in meta['epoch_loss'])}; held-out loss {meta['heldout_loss_init']:.3f} at init ->
   {meta['heldout_loss']:.3f}.
 - **Seed:** {meta['seed']}.

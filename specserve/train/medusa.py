@@ -603,12 +603,13 @@ specserve generate --chat --prompt "..." --speculative-method medusa --speculati
 """
 
 
-def _bar(total: int, desc: str, enabled: bool):
+def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
     if not enabled:
         return None
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0)
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0,
+                    initial=initial)
     except ImportError:
         return None

@@ -291,6 +291,8 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     # trained further in place: the README says it started from what the directory held
     argv3 = ["train", "dspark", "--out", str(second), "--init-from", str(second), "--epochs", "1", *common]
     assert main(argv3) == 0
+    # the first run's training and held-out sequences again: their target log-sum-exps come from the cache
+    assert capsys.readouterr().err.count("target log-sum-exp: cached") == 2
     assert "Initialised from** the drafter this directory held before this run (made by `specserve train dspark --out " \
            f"{second} --init-from" in (second / "README.md").read_text()
     _greedy_identical(tiny_llama, second, "dspark")
@@ -309,6 +311,73 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     assert "hidden_size" in capsys.readouterr().err and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="init_from"):
         DSparkTrainArgs(out="z", init_from=str(first), eval_only=True).validate()
+
+
+def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir, tmp_path, monkeypatch):
+    """A run stopped part-way (here: the process dies right after saving its state in the middle of its
+    second epoch) and started again continues from the saved state and writes bit for bit the weights and
+    the losses of an uninterrupted run; another learning rate does not pick that state up; ``resume=False``
+    starts over; the state is removed when a run ends."""
+    from safetensors.torch import load_file
+
+    import specserve.train.dspark as ds
+
+    base = dict(model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40, max_tokens=24, block_size=4,
+                markov_rank=8, epochs=3, lr=3e-3, batch_size=8, anchors_per_seq=6, threads=1,
+                cache_dir=str(cache_dir), progress=False)
+    quiet = lambda m: None  # noqa: E731
+    ref = ds.train_dspark(ds.DSparkTrainArgs(out=str(tmp_path / "ref"), save_every_min=0, **base), log=quiet)
+    per_epoch = ref["train"]["steps"] // 3
+    stop_at = per_epoch + 2  # epoch 2, step 2
+    assert per_epoch >= 3
+
+    class Killed(Exception):
+        pass
+
+    real = ds.TrainState
+
+    class DiesAfterSaving(real):
+        def save(self, st):
+            super().save(st)
+            if st["epoch"] * per_epoch + st["step"] == stop_at:
+                raise Killed
+
+    args = ds.DSparkTrainArgs(out=str(tmp_path / "run"), save_every_min=1e-7, **base)  # a state after every step
+
+    def killed_run(a):
+        monkeypatch.setattr(ds, "TrainState", DiesAfterSaving)
+        with pytest.raises(Killed):
+            ds.train_dspark(a, log=quiet)
+        monkeypatch.setattr(ds, "TrainState", real)
+        (f,) = cache_dir.glob("dspark-train-state-*.pt")
+        return f
+
+    state = killed_run(args)
+    assert not (tmp_path / "run").exists()
+    logs = []
+    other = ds.train_dspark(ds.DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "o"), "lr": 2e-3}),
+                            log=logs.append)
+    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in other["meta"]
+    assert state.exists()  # not that run's state
+    logs.clear()
+    res = ds.train_dspark(args, log=logs.append)
+    assert sum(f"resuming training at epoch 2 step 2/{per_epoch} from {state}" in m for m in logs) == 1, logs
+    assert not state.exists()
+    assert res["train"]["step_loss"] == ref["train"]["step_loss"]
+    assert res["train"]["epoch_loss"] == ref["train"]["epoch_loss"]
+    assert res["heldout"]["loss"] == ref["heldout"]["loss"] and res["sts"] == ref["sts"]
+    w_ref, w_res = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert set(w_ref) == set(w_res) and all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
+    assert res["meta"]["resumed_at_steps"] == [stop_at] and res["train"]["train_s"] > res["train"]["train_s_before"] > 0
+    assert f"continued from its saved state at step {stop_at}: the same weights" in (tmp_path / "run" / "README.md").read_text()
+    # resume=False: from the start (same result), and the stale state goes
+    state = killed_run(args)
+    logs.clear()
+    again = ds.train_dspark(ds.DSparkTrainArgs(**{**args.__dict__, "resume": False}), log=logs.append)
+    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in again["meta"]
+    assert again["train"]["step_loss"] == ref["train"]["step_loss"] and not state.exists()
+    with pytest.raises(ValueError, match="save_every_min"):
+        ds.DSparkTrainArgs(out="z", save_every_min=-1).validate()
 
 
 def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
@@ -389,9 +458,10 @@ def test_train_dspark_two_sources_then_eval_only(tiny_llama, tiny_prompts, cache
     assert "error:" in capsys.readouterr().err
 
 
-def test_target_lse_matches_each_sequences_own_logsumexp():
+def test_target_lse_matches_each_sequences_own_logsumexp(tmp_path):
     """The log-sum-exp over the full vocabulary at every response position, computed in fixed-size blocks
-    across sequences, equals each sequence's own; prompt positions stay 0."""
+    across sequences, equals each sequence's own; prompt positions stay 0. Through the cache: computed
+    once per key, sequences and dtype."""
     torch.manual_seed(0)
     V, d = 50, 8
     lm_w, lm_b = torch.randn(V, d), torch.randn(V)
@@ -407,3 +477,13 @@ def test_target_lse_matches_each_sequences_own_logsumexp():
     for g32, g16, s in zip(got, got16, samples):
         assert torch.equal(g32, g16) == (s["prompt_len"] == len(s["ids"]))  # bf16 products differ
         torch.testing.assert_close(g16, g32, atol=0.1, rtol=0.02)
+    logs = []
+    for _ in range(2):
+        cached = target_lse(lm_w, lm_b, feats, samples, chunk=4, cache=(tmp_path, {"model": "m"}), log=logs.append)
+        assert all(torch.equal(a, b) for a, b in zip(cached, got))
+    assert len(logs) == 1 and "target log-sum-exp: cached" in logs[0]  # the second call read the first's
+    cached16 = target_lse(lm_w, lm_b, feats, samples, chunk=4, dtype=torch.bfloat16, cache=(tmp_path, {"model": "m"}),
+                          log=logs.append)
+    other = target_lse(lm_w, lm_b, feats, samples[:3], chunk=4, cache=(tmp_path, {"model": "m"}), log=logs.append)
+    assert len(logs) == 1 and all(torch.equal(a, b) for a, b in zip(cached16, got16))
+    assert len(other) == 3 and all(torch.equal(a, b) for a, b in zip(other, got))
