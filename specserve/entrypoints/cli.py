@@ -523,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             msg = f"{msg}: {e.filename}"
         print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print("\ninterrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 130
 
 

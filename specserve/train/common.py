@@ -304,17 +304,50 @@ def fingerprint(obj) -> str:
     return h.hexdigest()[:20]
 
 
+class TrainingStopped(KeyboardInterrupt):
+    """A training loop stopped by SIGINT / SIGTERM at a step boundary, after saving its state."""
+
+
 class TrainState:
     """A training loop's state in ``{cache_dir}/{prefix}-{key}.pt`` (``key``: the ``fingerprint`` of
     everything the run's result depends on: data, initial weights, hyper-parameters), written atomically
-    every ``every_s`` seconds (0: after every step; None: never) at a step boundary. ``load`` returns the
-    last one saved, or None (also when ``resume`` is False). The loop calls ``clear`` when it finishes."""
+    every ``every_s`` seconds (0: after every step; None: never) at a step boundary, and at once when
+    ``stop_on_signals`` caught a signal (``stop_requested``; the loop then raises ``TrainingStopped``).
+    ``load`` returns the last one saved, or None (also when ``resume`` is False). The loop calls
+    ``clear`` when it finishes."""
 
     def __init__(self, cache_dir, prefix: str, key: str, every_s: float | None = 600.0, resume: bool = True,
                  log=None):
         self.path = Path(cache_dir or default_cache_dir()) / f"{prefix}-{key}.pt"
         self.every_s, self.resume, self.log = every_s, resume, log
         self._last = time.perf_counter()
+        self.stop_requested = False
+
+    @contextlib.contextmanager
+    def stop_on_signals(self):
+        """Inside, SIGINT (Ctrl-C) and SIGTERM ask the loop to save its state at the end of the step it
+        is in and stop, rather than lose the steps since the last save; a second signal stops at once.
+        Only where signals can be caught (the main thread) and a state is kept at all."""
+        import signal
+        import threading
+
+        if self.every_s is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            if self.log:
+                self.log(f"{signal.Signals(signum).name}: saving the training state at the end of this step")
+
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
 
     def load(self) -> dict | None:
         if not self.resume or self.every_s is None or not self.path.exists():
@@ -327,7 +360,7 @@ class TrainState:
             return None
 
     def due(self) -> bool:
-        return self.every_s is not None and time.perf_counter() - self._last >= self.every_s
+        return self.every_s is not None and (self.stop_requested or time.perf_counter() - self._last >= self.every_s)
 
     def save(self, state: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,7 @@ vocabularies end with their rarest merges) avoids confusing a mask with a freque
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -76,7 +77,7 @@ from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
                                     decode_section, evaluated_by, extra_phrase, extra_record, feature_runner,
                                     fingerprint, keep_num_threads, prompt_sources, replay_by_source,
-                                    select_draft_vocab, start_run, TrainState)
+                                    select_draft_vocab, start_run, TrainingStopped, TrainState)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
@@ -611,7 +612,10 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
                             "scheduler": sched.state_dict(), "generator": gen.get_state(), "epoch": ep,
                             "step": s + 1, "order": order, "sums": (tot, cs, cn, nb), "epoch_loss": epoch_loss,
                             "epoch_acc": epoch_acc, "step_loss": step_loss, "blocks": blocks,
-                            "resumed_at": resumed_at, "train_s": before_s + time.perf_counter() - t0, "train_s_before": before_s})
+                            "resumed_at": resumed_at, "train_s": before_s + time.perf_counter() - t0})
+                if state.stop_requested:
+                    raise TrainingStopped(f"training stopped at epoch {ep + 1} step {s + 1}/{steps_per_epoch}; its "
+                                          f"state is saved in {state.path}: the same command continues from it")
         if bar:
             bar.close()
         epoch_loss.append(tot / steps_per_epoch)
@@ -934,8 +938,9 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
                            "prompt_lens": [s["prompt_len"] for s in train_s]})
         state = TrainState(cache_dir, "dspark-train-state", key, every_s=60.0 * args.save_every_min,
                            resume=args.resume, log=log)
-    tr = train_drafter(drafter, train_s, f_train, lm_w, lm_b, embed_w, gamma=G, mask_token_id=mask_id,
-                       progress=args.progress, log=log, state=state, **hyper)
+    with state.stop_on_signals() if state is not None else contextlib.nullcontext():
+        tr = train_drafter(drafter, train_s, f_train, lm_w, lm_b, embed_w, gamma=G, mask_token_id=mask_id,
+                           progress=args.progress, log=log, state=state, **hyper)
     timings["train_s"] = tr["train_s"]  # earlier runs' part too when it continued a saved state
     t_start -= tr["train_s_before"]
 

@@ -380,6 +380,51 @@ def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir,
         ds.DSparkTrainArgs(out="z", save_every_min=-1).validate()
 
 
+def test_cli_train_dspark_ctrl_c_saves_and_the_same_command_continues(tiny_llama, tiny_prompts, cache_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """SIGINT in the middle of training (no periodic save due: --save-every 10 minutes): the command saves
+    its state at the end of that step, exits 130 saying where it stopped, restores the signal handlers,
+    and run again continues to the weights of an uninterrupted run."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    import specserve.train.dspark as ds
+    from specserve.entrypoints.cli import main
+
+    common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens", "24",
+              "--block-size", "3", "--markov-rank", "8", "--epochs", "2", "--anchors-per-seq", "6", "--threads", "1",
+              "--cache-dir", str(cache_dir), "--no-progress"]
+    assert main(["train", "dspark", "--out", str(tmp_path / "ref"), "--save-every", "0", *common]) == 0
+    real, calls = ds.TrainState, []
+
+    class SignalledAtStep7(real):
+        def due(self):
+            calls.append(1)
+            if len(calls) == 7:
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().due()
+
+    monkeypatch.setattr(ds, "TrainState", SignalledAtStep7)
+    before = signal.getsignal(signal.SIGINT)
+    argv = ["train", "dspark", "--out", str(tmp_path / "run"), *common]
+    capsys.readouterr()
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "SIGINT: saving the training state at the end of this step" in err
+    assert "interrupted: training stopped at epoch " in err and "the same command continues from it" in err
+    assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "run").exists()
+    (state,) = cache_dir.glob("dspark-train-state-*.pt")
+    monkeypatch.setattr(ds, "TrainState", real)
+    assert main(argv) == 0
+    assert "resuming training at epoch " in capsys.readouterr().err and not state.exists()
+    w_ref, w_run = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("ref", "run"))
+    assert all(torch.equal(w_ref[k], w_run[k]) for k in w_ref)
+    t_ref, t_run = (json.loads((tmp_path / d / "config.json").read_text())["training"] for d in ("ref", "run"))
+    assert t_run["resumed_at_steps"] == [7] and t_run["epoch_loss"] == t_ref["epoch_loss"]
+
+
 def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
     from specserve.entrypoints.cli import main
 
