@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -32,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, self_distill,
-                                  split_prompts)
+from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, save_atomic,
+                                  self_distill, split_prompts)
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
@@ -363,10 +362,7 @@ class TrainState:
         return self.every_s is not None and (self.stop_requested or time.perf_counter() - self._last >= self.every_s)
 
     def save(self, state: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(state, tmp)
-        tmp.replace(self.path)
+        save_atomic(state, self.path)
         self._last = time.perf_counter()
 
     def clear(self) -> None:

@@ -274,6 +274,15 @@ def cache_key(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def save_atomic(obj, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then renamed over it: a reader (or a later
+    run, after a crash) sees the whole old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object], log=None, what: str = "data",
                  mmap: bool = False):
     """``compute()`` through a ``torch.save`` file ``{cache_dir}/{prefix}-{key}.pt`` (``cache_dir``
@@ -294,10 +303,7 @@ def cached_torch(cache_dir, prefix: str, key_obj, compute: Callable[[], object],
                 pass
     data = compute()
     if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".tmp{os.getpid()}")
-        torch.save(data, tmp)
-        tmp.replace(f)
+        save_atomic(data, f)
         if mmap:
             del data
             data = torch.load(f, weights_only=True, mmap=True)
