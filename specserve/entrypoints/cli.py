@@ -280,6 +280,10 @@ def _add_train_dspark_parser(tsub) -> None:
                         "weights an uninterrupted run would have written")
     m.add_argument("--no-resume", action="store_true",
                    help="train from the start even when a saved state of the same run is in the cache")
+    m.add_argument("--train-seed", type=int, default=None, metavar="N",
+                   help="seed of the training loop alone (random initial weights, order of the sequences, anchors) "
+                        "while --seed keeps the held-out split and the responses: e.g. a run continued with "
+                        "--init-from on the same data draws new anchors instead of the last run's (default: --seed)")
     _add_train_data_args(m)
     m.set_defaults(func=cmd_train_dspark)
 
@@ -480,7 +484,7 @@ def cmd_train_dspark(args) -> int:
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
         feature_dtype=args.feature_dtype, train_dtype=args.train_dtype,
         chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only,
-        save_every_min=args.save_every, resume=not args.no_resume)
+        save_every_min=args.save_every, resume=not args.no_resume, train_seed=args.train_seed)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_dspark(targs, command=command)

@@ -253,6 +253,33 @@ def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path
     _greedy_identical(tiny_llama, out, "dflash")
 
 
+def test_cli_train_seed_draws_new_anchors_over_the_same_data(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """--train-seed seeds the training loop alone: equal to --seed it is the default run bit for bit; another
+    value trains on the same sequences and held-out prompts (--seed keeps the split and the responses) with
+    its own initial weights, order and anchors, and the config and README say so."""
+    from safetensors.torch import load_file
+
+    from specserve.entrypoints.cli import main
+
+    common = ["train", "dspark", "--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40",
+              "--max-tokens", "24", "--epochs", "1", "--lr", "3e-3", "--block-size", "3", "--markov-rank", "4",
+              "--anchors-per-seq", "4", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    runs = {"a": [], "b": ["--train-seed", "0"], "c": ["--train-seed", "1"]}
+    for name, extra in runs.items():
+        assert main([*common, "--out", str(tmp_path / name), *extra]) == 0
+    capsys.readouterr()
+    w = {n: load_file(str(tmp_path / n / "model.safetensors")) for n in runs}
+    assert all(torch.equal(w["a"][k], w["b"][k]) for k in w["a"])
+    assert not torch.equal(w["a"]["fc.weight"], w["c"]["fc.weight"])
+    c = {n: json.loads((tmp_path / n / "config.json").read_text())["training"] for n in runs}
+    for k in ("train_prompts", "train_response_tokens", "train_blocks_per_epoch", "heldout_prompts", "heldout_blocks"):
+        assert c["c"][k] == c["a"][k], k
+    assert c["c"]["epoch_loss"] != c["a"]["epoch_loss"]
+    assert c["c"]["seed"] == 0 and c["c"]["train_seed"] == 1 and "train_seed" not in c["a"] and "train_seed" not in c["b"]
+    assert "- **Seed:** 0 (the training loop's: 1, `--train-seed`" in (tmp_path / "c" / "README.md").read_text()
+    assert "- **Seed:** 0.\n" in (tmp_path / "a" / "README.md").read_text()
+
+
 def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     """--init-from: the second run starts from the first drafter's weights (its held-out loss at init is the
     first run's final one), keeps its shape and draft vocabulary, trains it further and records where it
