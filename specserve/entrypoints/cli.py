@@ -274,6 +274,9 @@ def _add_train_dspark_parser(tsub) -> None:
                         "the shape, target layers, mask token and draft vocabulary (so none of --num-layers, "
                         "--block-size, --markov-rank, --markov-head-type, --target-layer-ids, --num-target-layers, "
                         "--mask-token-id, --draft-vocab-size)")
+    m.add_argument("--add-layers", type=_nonneg_int, default=0, metavar="N",
+                   help="with --init-from: grow the drafter by N decoder layers after its own, their output "
+                        "projections zero so it starts as the loaded drafter, then train them all (default 0)")
     m.add_argument("--save-every", type=_nonneg_float, default=10.0, metavar="MIN",
                    help="save the training loop's state in the cache every MIN minutes (default 10; 0: never): the "
                         "same command run again after the process was stopped continues from it and writes the "
@@ -484,7 +487,8 @@ def cmd_train_dspark(args) -> int:
         threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
         feature_dtype=args.feature_dtype, train_dtype=args.train_dtype,
         chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only,
-        save_every_min=args.save_every, resume=not args.no_resume, train_seed=args.train_seed)
+        save_every_min=args.save_every, resume=not args.no_resume, train_seed=args.train_seed,
+        add_layers=args.add_layers)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_dspark(targs, command=command)

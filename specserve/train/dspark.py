@@ -63,6 +63,7 @@ vocabularies end with their rarest merges) avoids confusing a mask with a freque
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -134,6 +135,9 @@ class DSparkTrainArgs:
     # weights: its config decides the shape, layers, mask token and draft vocabulary, and the architecture
     # fields above are ignored
     init_from: str | None = None
+    # with ``init_from``: this many more decoder layers after the loaded ones, their output projections
+    # zero (the grown drafter starts as the loaded one), then all trained
+    add_layers: int = 0
     # the training loop's state is saved in the cache every this many minutes (0: never), and the same run
     # started again continues from it (``resume``), ending with the weights of an uninterrupted run
     save_every_min: float = 10.0
@@ -171,6 +175,10 @@ class DSparkTrainArgs:
             raise ValueError(f"save_every_min must be >= 0 (0: never), got {self.save_every_min}")
         if self.init_from is not None and self.eval_only:
             raise ValueError("init_from trains a drafter further; eval_only trains nothing: pass one of them")
+        if self.add_layers < 0:
+            raise ValueError(f"add_layers must be >= 0, got {self.add_layers}")
+        if self.add_layers and self.init_from is None:
+            raise ValueError("add_layers grows the drafter of init_from: pass init_from too")
 
     @property
     def eval_prompts(self) -> int:
@@ -383,6 +391,19 @@ def init_drafter_(drafter, std: float = 0.02) -> None:
             else:
                 p.normal_(0.0, std)
             p.requires_grad_(True)
+
+
+def grow_drafter_(drafter, sd: dict[str, torch.Tensor], num_loaded: int) -> None:
+    """Load ``sd``, the state of a drafter with the first ``num_loaded`` of ``drafter``'s layers, and give
+    the layers after them ``init_drafter_``'s random weights with the attention and MLP output projections
+    zero: each new layer adds nothing to the residual stream, so the grown drafter drafts exactly what the
+    loaded one did and training starts from there. Uses the global torch RNG."""
+    init_drafter_(drafter)
+    full = {**drafter.state_for_save(), **sd}
+    for i in range(num_loaded, len(drafter.layers)):
+        for name in (f"layers.{i}.self_attn.o_proj.weight", f"layers.{i}.mlp.down_proj.weight"):
+            full[name] = torch.zeros_like(full[name])
+    drafter.load_state(full)
 
 
 def block_hidden(drafter, feats: torch.Tensor, anchors: torch.Tensor, block_ids: torch.Tensor,
@@ -885,8 +906,14 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     # -- the drafter
     if saved:
         cfg = saved[0]
+        if args.add_layers:
+            cfg = dataclasses.replace(cfg, num_layers=cfg.num_layers + args.add_layers)
         drafter = DFlashDrafter(cfg, dtype=torch.float32)
-        drafter.load_state(saved[1])
+        if args.add_layers:
+            torch.manual_seed(train_seed)
+            grow_drafter_(drafter, saved[1], saved[0].num_layers)
+        else:
+            drafter.load_state(saved[1])
         drafter.requires_grad_(args.init_from is not None)  # loaded weights are frozen until trained further
     else:
         cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
@@ -973,7 +1000,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "generation_dtype": gen_dtype, "chat_template": args.chat,
                               **extra_record(args)},
-        **({"init_from": _init_record(args.init_from, saved[2])} if args.init_from is not None else {}),
+        **({"init_from": _init_record(args.init_from, saved[2], args.add_layers, saved[0].num_layers)}
+           if args.init_from is not None else {}),
         "feature_dtype": args.feature_dtype,
         "train_dtype": args.train_dtype,
         "mask_token": f"id {mask_id} ({'vocab_size - 1, the default' if mask_id == tcfg.vocab_size - 1 else 'chosen'})",
@@ -1092,11 +1120,14 @@ def _precision(train_dtype: str) -> str:
     return "float32"
 
 
-def _init_record(path: str, raw: dict) -> dict:
+def _init_record(path: str, raw: dict, add_layers: int = 0, num_layers: int = 0) -> dict:
     """What the training record keeps of the drafter a run started from: its path, and the command and
-    total time of its own training when its config.json has them (a checkpoint of ours)."""
+    total time of its own training when its config.json has them (a checkpoint of ours); the layers it
+    was grown by (``add_layers``) after its ``num_layers``."""
     tr = raw.get("training") or {}
-    return {"path": path, "command": tr.get("command"), "total_s": (tr.get("timings_s") or {}).get("total_s")}
+    grown = {"added_layers": add_layers, "loaded_layers": num_layers} if add_layers else {}
+    return {"path": path, "command": tr.get("command"), "total_s": (tr.get("timings_s") or {}).get("total_s"),
+            **grown}
 
 
 def _init_line(meta: dict, out: Path) -> str:
@@ -1110,6 +1141,11 @@ def _init_line(meta: dict, out: Path) -> str:
     if init.get("command"):
         took = f", {init['total_s']:.0f} s" if init.get("total_s") is not None else ""
         made = f" (made by `{init['command']}`{took})"
+    if init.get("added_layers"):
+        return (f"\n- **Initialised from** {where}{made}: its weights, target layers, mask token and draft "
+                f"vocabulary, grown by {init['added_layers']} decoder layer(s) after its {init['loaded_layers']} "
+                "(`--add-layers`; their output projections start at zero, so the grown drafter started as the "
+                "loaded one), all trained further by the command above.")
     return (f"\n- **Initialised from** {where}{made}: its weights, shape, target layers, mask token and draft "
             "vocabulary, trained further by the command above.")
 

@@ -340,6 +340,39 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
         DSparkTrainArgs(out="z", init_from=str(first), eval_only=True).validate()
 
 
+def test_cli_train_dspark_add_layers_grows_the_loaded_drafter(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """--add-layers N with --init-from: the drafter gets N more decoder layers after its own whose output
+    projections start at zero, so it starts as the loaded drafter (its held-out loss at init is the loaded
+    drafter's final one), then all are trained; the grown checkpoint loads and decodes losslessly."""
+    from safetensors.torch import load_file
+
+    from specserve.entrypoints.cli import main
+    from specserve.train.dspark import DSparkTrainArgs
+
+    common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens",
+              "24", "--anchors-per-seq", "6", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    first, grown = tmp_path / "first", tmp_path / "grown"
+    assert main(["train", "dspark", "--out", str(first), "--block-size", "3", "--markov-rank", "8",
+                 "--draft-vocab-size", "100", "--epochs", "1", "--lr", "3e-3", *common]) == 0
+    assert main(["train", "dspark", "--out", str(grown), "--init-from", str(first), "--add-layers", "1",
+                 "--epochs", "1", "--lr", "3e-3", *common]) == 0
+    capsys.readouterr()
+    c1, c2 = (json.loads((d / "config.json").read_text()) for d in (first, grown))
+    n1, n2 = (c["transformer_layer_config"]["num_hidden_layers"] for c in (c1, c2))  # speculators format
+    assert (n1, n2) == (1, 2)
+    t1, t2 = c1["training"], c2["training"]
+    assert t2["heldout_loss_init"] == pytest.approx(t1["heldout_loss"], abs=1e-4)
+    assert t2["heldout_loss"] < t2["heldout_loss_init"]
+    assert t2["init_from"]["added_layers"] == 1 and t2["init_from"]["loaded_layers"] == 1
+    w1, w2 = load_file(str(first / "model.safetensors")), load_file(str(grown / "model.safetensors"))
+    assert set(w1) < set(w2) and all(k.startswith("layers.1.") for k in set(w2) - set(w1))
+    assert w2["layers.1.self_attn.o_proj.weight"].abs().max() > 0  # trained away from its zero start
+    assert "grown by 1 decoder layer(s) after its 1 (`--add-layers`" in (grown / "README.md").read_text()
+    _greedy_identical(tiny_llama, grown, "dspark")
+    with pytest.raises(ValueError, match="add_layers"):
+        DSparkTrainArgs(out="z", add_layers=1).validate()
+
+
 def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir, tmp_path, monkeypatch):
     """A run stopped part-way (here: the process dies right after saving its state in the middle of its
     second epoch) and started again continues from the saved state and writes bit for bit the weights and
