@@ -1141,13 +1141,12 @@ def _init_line(meta: dict, out: Path) -> str:
     if init.get("command"):
         took = f", {init['total_s']:.0f} s" if init.get("total_s") is not None else ""
         made = f" (made by `{init['command']}`{took})"
+    kept = "its weights, shape, target layers, mask token and draft vocabulary, trained further"
     if init.get("added_layers"):
-        return (f"\n- **Initialised from** {where}{made}: its weights, target layers, mask token and draft "
-                f"vocabulary, grown by {init['added_layers']} decoder layer(s) after its {init['loaded_layers']} "
-                "(`--add-layers`; their output projections start at zero, so the grown drafter started as the "
-                "loaded one), all trained further by the command above.")
-    return (f"\n- **Initialised from** {where}{made}: its weights, shape, target layers, mask token and draft "
-            "vocabulary, trained further by the command above.")
+        kept = (f"its weights, target layers, mask token and draft vocabulary, grown by {init['added_layers']} "
+                f"decoder layer(s) after its {init['loaded_layers']} (`--add-layers`; their output projections "
+                "start at zero, so the grown drafter started as the loaded one), all trained further")
+    return f"\n- **Initialised from** {where}{made}: {kept} by the command above."
 
 
 def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
