@@ -627,10 +627,8 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(S, Q, self.Hkv, self.D).transpose(1, 2)
         k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
         v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
-        if self.H != self.Hkv:
-            rep = self.H // self.Hkv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.H != self.Hkv)  # no repeated copies of k/v
         return self.o_proj(out.transpose(1, 2).reshape(S, Q, self.H * self.D))
 
 
