@@ -333,12 +333,18 @@ NGRAM_SUFFIX = re.compile(r"(.+)-(ngram|pool)([1-9][0-9]*)?")
 NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5}, "pool": POOLED_BRANCHES}
 
 
+# e.g. dspark-draft-float32: that block-drafter method with its drafter run in float32 (draft_dtype)
+DRAFT_DTYPE_SUFFIX = re.compile(r"(.+)-draft-(float32|bfloat16)")
+
+
 def method_factory(name: str) -> Callable[[], object] | None:
     """The runner factory of a method name: one of ``METHODS``, ``{medusa,dspark,dflash}-tree-N`` (the
     shipped drafter with trees of N nodes, whatever verifying N tokens costs here), or either with the
     suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``),
     ``-ngramK`` (``ngram_branch: K``), ``-pool`` (3 continuations of up to 12 tokens, from the sequence
-    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``. Any of the
+    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``. A DSpark or
+    DFlash method may end in ``-draft-float32`` or ``-draft-bfloat16``: its drafter run in that dtype
+    (``draft_dtype``; default ``"auto"``), e.g. ``dspark-draft-float32`` beside ``dspark``. Any of the
     drafter methods may end in ``@PATH``: the same with the drafter checkpoint at PATH instead of the
     shipped one (``speculative_config["model"]``), e.g. ``dspark-tree-pool@my-drafter``, to compare
     drafters side by side in one run."""
@@ -351,6 +357,13 @@ def method_factory(name: str) -> Callable[[], object] | None:
         return lambda: SpecserveMethod(name, {**spec, "model": path})
     if name in METHODS:
         return METHODS[name]
+    m = DRAFT_DTYPE_SUFFIX.fullmatch(name)
+    if m:
+        base = method_factory(m.group(1))
+        spec = getattr(base(), "speculative_config", None) if base else None
+        if not spec or spec["method"] not in ("dspark", "dflash") or "draft_dtype" in spec:
+            return None
+        return lambda: SpecserveMethod(name, {**spec, "draft_dtype": m.group(2)})
     m = SIZED_TREE.fullmatch(name)
     if m:
         method = m.group(1)
@@ -379,7 +392,9 @@ def parse_methods(spec: str | list[str]) -> list[str]:
         raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
                          "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + "
                          "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
-                         "also from earlier requests), and a drafter method + '@PATH' (its drafter checkpoint at PATH)")
+                         "also from earlier requests), a DSpark/DFlash method + '-draft-float32' or "
+                         "'-draft-bfloat16' (its drafter's dtype), and a drafter method + '@PATH' (its drafter "
+                         "checkpoint at PATH)")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")

@@ -53,6 +53,16 @@ def mkldnn_packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
+def fast_bfloat16(device="cpu") -> bool:
+    """Whether bfloat16 GEMMs beat float32 ones on ``device``: a GPU, or a CPU with oneDNN's bfloat16
+    weight packing and native bfloat16 arithmetic (AVX512-BF16 or AMX; without them oneDNN emulates it)."""
+    if str(device).startswith("cuda"):
+        return True
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    native = any(getattr(torch.cpu, f, lambda: False)() for f in probes)
+    return native and mkldnn_packing_available(torch.bfloat16)
+
+
 PACK_BATCH_HINT = 16  # the verify widths we run (1..16 tokens) all do well with this layout
 
 

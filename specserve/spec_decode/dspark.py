@@ -69,8 +69,23 @@ log = logging.getLogger("specserve.dspark")
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 VERIFY_MODES = ("full", "threshold", "auto")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
 TREE_MAX_NODES = 64  # dspark_tree="auto": the most nodes one request's tree may verify
+
+
+def resolve_draft_dtype(draft_dtype: str, target_dtype: torch.dtype, device, state: dict) -> torch.dtype:
+    """The dtype the drafter runs in. ``"auto"``: bfloat16 when the checkpoint stores its weights in
+    bfloat16 (the shipped drafters do) and the device runs bfloat16 GEMMs fast (``fast_bfloat16``), since
+    running them in float32 adds bytes, not precision; else the target's dtype. The drafter only proposes
+    and the target verifies every token, so its dtype moves acceptance, never the output."""
+    from specserve.engine.model_runner import DTYPES
+    from specserve.layers import linear
+
+    if draft_dtype != "auto":
+        return DTYPES[draft_dtype]
+    stored = {t.dtype for t in state.values() if t.is_floating_point()}
+    return torch.bfloat16 if stored == {torch.bfloat16} and linear.fast_bfloat16(device) else target_dtype
 
 
 def _generator(state):
@@ -87,24 +102,29 @@ class DSparkDraftWorker:
     (sampling generators travel as their states), so all ranks draft the same tokens and meet at the
     same collectives; only the driver's results are used."""
 
-    def __init__(self, runner, model_path: str, markov_replicate: bool = True):
+    def __init__(self, runner, model_path: str, markov_replicate: bool = True, draft_dtype: str = "auto"):
         from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
         from specserve.spec_decode.dspark_model import DFlashDrafter
 
         cfg, sd = load_dspark_checkpoint(model_path, runner.config)
         self.cfg = cfg
         self.tp = runner.tp
-        self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=runner.dtype, markov_replicate=markov_replicate)
+        self.dtype = resolve_draft_dtype(draft_dtype, runner.dtype, runner.device, sd)
+        self.drafter = DFlashDrafter(cfg, tp=runner.tp, dtype=self.dtype, markov_replicate=markov_replicate)
         self.drafter.load_state(sd)
         self.drafter.eval().requires_grad_(False)
         self.device = runner.device  # the target's: its embedding, lm_head and features
         self.drafter.to(self.device)
         if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
             from specserve.engine.model_runner import pack_linears
+            from specserve.layers.linear import mkldnn_packing_available
 
-            pack_linears(self.drafter)
+            if mkldnn_packing_available(self.dtype):
+                pack_linears(self.drafter)
         self.embed = runner.model.model.embed_tokens
-        self.logits_fn = runner.model.compute_logits
+        target_logits, target_dtype = runner.model.compute_logits, runner.dtype
+        # a drafter without its own lm_head reads the target's, in the target's dtype
+        self.logits_fn = lambda h: target_logits(h.to(target_dtype))
         self.caches: dict[int, object] = {}
 
     @torch.inference_mode()
@@ -202,12 +222,14 @@ class DSparkProposer(Proposer):
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
                  confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
                  dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True,
-                 draft_gate: bool = True):
+                 draft_gate: bool = True, draft_dtype: str = "auto"):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
                 raise ValueError(f"method {self.name!r} needs a drafter checkpoint: speculative_config['model'] "
                                  "(none is shipped for it)")
+        if draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {', '.join(map(repr, DRAFT_DTYPES))}, got {draft_dtype!r}")
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
         if dspark_verify not in VERIFY_MODES:
@@ -237,6 +259,7 @@ class DSparkProposer(Proposer):
         self.verify_mode = dspark_verify
         self.threshold = float(confidence_threshold)
         self.markov_replicate = bool(markov_replicate)
+        self.draft_dtype = draft_dtype
         self.verify_costs: dict[int, float] | None = None
         self.draft_costs: dict[int, float] | None = None
         self.online_calibration = bool(online_calibration)
@@ -247,7 +270,7 @@ class DSparkProposer(Proposer):
     def load_model(self, target) -> None:
         if not self.model_path.exists():
             raise FileNotFoundError(f"DSpark checkpoint not found: {self.model_path}")
-        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate)
+        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate, self.draft_dtype)
         self.worker: DSparkDraftWorker = target.helper(self.name)
         cfg = self.worker.cfg
         k = self.requested_k or cfg.num_drafts

@@ -1,7 +1,7 @@
 """Read DFlash / DSpark drafter checkpoints into our names.
 
 ``load_dspark_checkpoint(path, target_cfg)`` returns ``(DSparkConfig, state dict)`` with the state
-dict in our names (``expected_state_shapes(cfg)``: float tensors as float32, ``d2t`` as int64), ready
+dict in our names (``expected_state_shapes(cfg)``: float tensors in their stored dtype, ``d2t`` as int64), ready
 for ``DFlashDrafter(cfg).load_state(sd)``. ``path`` is the checkpoint directory (``config.json`` +
 ``*.safetensors``, optionally sharded with ``model.safetensors.index.json``); ``target_cfg`` is the
 target's ``ModelConfig``, checked against the drafter (``DSparkConfig.validate``).
@@ -305,7 +305,7 @@ def _map_weights(d: Path, cfg: DSparkConfig, tensors: dict[str, torch.Tensor]) -
             continue
         if not t.is_floating_point():
             raise CheckpointError(f"{d}: tensor {src!r} has dtype {t.dtype}, expected a float type")
-        out[name] = t.detach().to(torch.float32).contiguous()
+        out[name] = t.detach().contiguous()  # stored dtype: the engine's draft_dtype='auto' reads it
     return out
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.layers.linear import mkldnn_packing_available
+from specserve.layers.linear import fast_bfloat16, mkldnn_packing_available
 from specserve.spec_decode.ngram import POOLED_BRANCHES
 
 pytestmark = pytest.mark.slow
@@ -68,11 +68,16 @@ def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra)
     ("dspark", {"dspark_verify": "auto", "ngram_branch": 5}),
     ("dspark", {"dspark_tree": "auto", "ngram_branch": 5}),
     ("dspark", {"dspark_tree": "auto", **POOL}),
+    ("dspark", {"draft_dtype": "float32"}),
+    ("dflash", {}),
 ])
 def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extra):
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = default_llm_fp32.chat(CHATS, params, use_tqdm=False)
     llm = LLM(dtype="float32", speculative_config={"method": method, **extra})
+    # the shipped drafters are stored in bfloat16: run so beside the float32 target where that is fast
+    want = torch.float32 if extra.get("draft_dtype") == "float32" or not fast_bfloat16() else torch.bfloat16
+    assert llm.engine.runner.helper(method).dtype == want
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, p

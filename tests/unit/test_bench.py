@@ -37,6 +37,22 @@ def test_bench_ngram_suffix_adds_the_branch_to_drafters_only():
             parse_methods(bad)
 
 
+def test_bench_draft_dtype_suffix_sets_the_block_drafters_dtype():
+    from specserve.bench.harness import BenchError, method_factory, parse_methods
+
+    assert method_factory("dspark-draft-float32")().speculative_config == {"method": "dspark",
+                                                                           "draft_dtype": "float32"}
+    pool = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
+    assert method_factory("dspark-tree-pool-draft-float32")().speculative_config == {
+        "method": "dspark", "dspark_tree": "auto", **pool, "draft_dtype": "float32"}
+    assert method_factory("dflash-draft-bfloat16@prev")().speculative_config == {
+        "method": "dflash", "draft_dtype": "bfloat16", "model": "prev"}
+    for bad in ("medusa-draft-float32", "ngram-draft-float32", "none-draft-float32", "dspark-draft-int8",
+                "dspark-draft-float32-draft-bfloat16", "-draft-float32"):
+        with pytest.raises(BenchError, match="unknown method"):
+            parse_methods(bad)
+
+
 def test_bench_interleaves_methods_prompt_by_prompt():
     """All methods load first, then every prompt goes through every method (order rotating), and the
     results equal a one-method-after-the-other run; sessions are closed either way."""

@@ -14,8 +14,9 @@ from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
 
-def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", seed=0, scale=0.3, block=4):
-    """A random DeepSpec-format drafter for a tiny target (reads the target's config)."""
+def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", seed=0, scale=0.3, block=4,
+                         dtype=torch.float32):
+    """A random DeepSpec-format drafter for a tiny target (reads the target's config), stored in ``dtype``."""
     t = json.loads((target_dir / "config.json").read_text())
     hd = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
     cfg = DSparkConfig(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
@@ -29,7 +30,7 @@ def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", s
     sd = {}
     for name, shape in expected_state_shapes(cfg).items():
         base = 1.0 if name.endswith("norm.weight") else 0.0
-        sd[name] = (base + scale * torch.randn(shape, generator=g)).contiguous()
+        sd[name] = (base + scale * torch.randn(shape, generator=g)).to(dtype).contiguous()
     conf = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "head_dim": hd, "intermediate_size": 96, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
@@ -77,18 +78,24 @@ def test_greedy_identical_to_plain(tiny_llama, small_vocab_model, tmp_path, meth
 
 @pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto"),
                                            ("greedy", "tree"), ("probabilistic", "auto-calibrated"),
-                                           ("greedy", "tree-calibrated")])
+                                           ("greedy", "tree-calibrated"), ("probabilistic", "full-bf16draft")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample, verify):
     """Many sequences draft together (batched blocks, one generator per row) at temperature 1; trees:
     each row's own tree, sized by the cost model from the draft probabilities at temperature 1;
-    ``-calibrated``: with the online calibration, whose choices follow earlier steps' outcomes."""
+    ``-calibrated``: with the online calibration, whose choices follow earlier steps' outcomes;
+    ``-bf16draft``: the drafter in bfloat16 beside the float32 target (its q, float32 probabilities of
+    bfloat16 logits, is what the rejection sampler reads)."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     mode = {"dspark_tree": "auto"} if verify.startswith("tree") else {"dspark_verify": verify.split("-")[0]}
     calibrated = verify.endswith("-calibrated")
+    if verify.endswith("-bf16draft"):
+        mode["draft_dtype"] = "bfloat16"
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
         "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "online_calibration": calibrated,
         **mode})
+    if verify.endswith("-bf16draft"):
+        assert spec.engine.runner.helper("dspark").drafter.fc.weight.dtype == torch.bfloat16
     if verify != "full":  # a cost per verified token: lengths follow the confidences and differ by row
         spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * (0.0002 if calibrated else 0.001)}
     a = sample_prefixes(plain, 2000, 0, k=5)
@@ -183,9 +190,37 @@ def test_dspark_errors(tiny_llama, tmp_path):
     for bad, match in [({"dspark_tree": 0}, "dspark_tree must be"), ({"dspark_tree": "big"}, "dspark_tree must be"),
                        ({"dspark_tree": 4, "draft_sample_method": "probabilistic"}, "draft_sample_method='greedy'"),
                        ({"dspark_tree": 4, "dspark_verify": "auto"}, "leave dspark_verify"),
-                       ({"dspark_tree": 4, "dspark_tree_topk": 0}, "dspark_tree_topk must be")]:
+                       ({"dspark_tree": 4, "dspark_tree_topk": 0}, "dspark_tree_topk must be"),
+                       ({"draft_dtype": "int8"}, "draft_dtype must be one of 'auto', 'float32'")]:
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter), **bad})
+
+
+@pytest.mark.parametrize("stored, requested, fast_bf16, expected", [
+    (torch.float32, "auto", True, torch.float32), (torch.bfloat16, "auto", True, torch.bfloat16),
+    (torch.bfloat16, "auto", False, torch.float32), (torch.bfloat16, "float32", True, torch.float32),
+    (torch.float32, "bfloat16", True, torch.bfloat16),
+])
+def test_draft_dtype_follows_the_stored_weights_unless_requested(tiny_llama, tmp_path, monkeypatch, stored,
+                                                                 requested, fast_bf16, expected):
+    """``draft_dtype="auto"`` runs a drafter stored in bfloat16 in bfloat16 beside a float32 target where
+    bfloat16 GEMMs are fast (``fast_bf16``: ``fast_bfloat16``, faked here), anything else in the target's
+    dtype; an explicit dtype wins. Every weight is in that dtype, the drafter reads the target's lm_head
+    (this one has no pruned vocabulary), and greedy output is plain decoding's."""
+    import specserve.layers.linear as linear
+
+    monkeypatch.setattr(linear, "fast_bfloat16", lambda device="cpu": fast_bf16)
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama, dtype=stored)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "dspark", "model": str(drafter), "draft_dtype": requested})
+    worker = llm.engine.runner.helper("dspark")
+    assert worker.dtype == expected and worker.drafter.lm_head is None
+    assert {p.dtype for p in worker.drafter.parameters()} == {expected}
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def test_choose_verify_lengths_is_the_best_choice():
