@@ -46,8 +46,9 @@ def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float3
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default=None, metavar="METHOD",
                    help="drafter for lossless speculative decoding (e.g. ngram); default: plain decoding")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=5, metavar="K",
-                   help="drafts verified per step (default 5)")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+                   help="drafts verified per step (default: the drafter's own: ngram 5, Medusa one per head, "
+                        "DSpark/DFlash every draft of the block)")
     p.add_argument("--speculative-model", default=None, metavar="PATH", help="the drafter's checkpoint, if any")
     p.add_argument("--prompt-lookup-max", type=_positive_int, default=4, help="ngram: longest n-gram to match")
     p.add_argument("--prompt-lookup-min", type=_positive_int, default=1, help="ngram: shortest n-gram to match")
@@ -56,7 +57,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 def speculative_config_from_args(args) -> dict | None:
     if not args.speculative_method:
         return None
-    cfg = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    cfg = {"method": args.speculative_method}
+    if args.num_speculative_tokens is not None:
+        cfg["num_speculative_tokens"] = args.num_speculative_tokens
     if args.speculative_model:
         cfg["model"] = args.speculative_model
     if args.speculative_method == "ngram":

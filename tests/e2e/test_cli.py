@@ -154,3 +154,21 @@ def test_bench_drafter_checkpoint_by_path(tmp_path):
     for key in ("acceptance_rate_per_position", "mean_acceptance_length", "num_draft_tokens"):
         assert by_path[key] == rows["dflash"][key], key
     assert by_path["acceptance_rate_per_position"] != rows["dspark"]["acceptance_rate_per_position"]
+
+
+def test_num_speculative_tokens_defaults_to_the_drafters_own():
+    """Without --num-speculative-tokens each drafter keeps its own count (DSpark: every draft of its
+    block of 7, not a fixed 5)."""
+    from specserve import LLM
+    from specserve.entrypoints.cli import build_parser, speculative_config_from_args
+
+    p = build_parser()
+    args = p.parse_args(["generate", "--prompt", "x", "--speculative-method", "dspark"])
+    cfg = speculative_config_from_args(args)
+    assert cfg == {"method": "dspark"}
+    llm = LLM(speculative_config=cfg)
+    assert llm.engine.proposer.num_speculative_tokens == 7
+    llm.shutdown()
+    args = p.parse_args(["generate", "--prompt", "x", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    assert speculative_config_from_args(args) == {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 4, "prompt_lookup_min": 1}
