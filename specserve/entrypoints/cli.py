@@ -22,6 +22,18 @@ class CLIError(Exception):
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
+def _json_object(s: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}")
+    return v
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -52,18 +64,30 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", default=None, metavar="PATH", help="the drafter's checkpoint, if any")
     p.add_argument("--prompt-lookup-max", type=_positive_int, default=4, help="ngram: longest n-gram to match")
     p.add_argument("--prompt-lookup-min", type=_positive_int, default=1, help="ngram: shortest n-gram to match")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="the whole speculative_config as a JSON object (vLLM's flag), e.g. "
+                        "'{\"method\": \"dspark\", \"dspark_tree\": \"auto\"}'; the flags above add to it")
 
 
 def speculative_config_from_args(args) -> dict | None:
-    if not args.speculative_method:
+    """``--speculative-config`` with ``--speculative-method``/``-model``/``--num-speculative-tokens`` added
+    (a flag that contradicts the JSON is an error); None: plain decoding."""
+    cfg = dict(args.speculative_config or {})
+    for key, flag, value in (("method", "--speculative-method", args.speculative_method),
+                             ("model", "--speculative-model", args.speculative_model),
+                             ("num_speculative_tokens", "--num-speculative-tokens", args.num_speculative_tokens)):
+        if value is None:
+            continue
+        if key in cfg and cfg[key] != value:
+            raise CLIError(f"{flag} {value!r} contradicts --speculative-config's {key!r}: {cfg[key]!r}")
+        cfg[key] = value
+    if not cfg:
         return None
-    cfg = {"method": args.speculative_method}
-    if args.num_speculative_tokens is not None:
-        cfg["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.speculative_model:
-        cfg["model"] = args.speculative_model
-    if args.speculative_method == "ngram":
-        cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    if "method" not in cfg:
+        raise CLIError("--speculative-config needs a \"method\" (or give --speculative-method)")
+    if cfg["method"] == "ngram":
+        cfg.setdefault("prompt_lookup_max", args.prompt_lookup_max)
+        cfg.setdefault("prompt_lookup_min", args.prompt_lookup_min)
     return cfg
 
 
@@ -338,9 +362,9 @@ def cmd_generate(args) -> int:
         n = len(comp.token_ids)
         st = llm.engine.stats
         decode = f", decode {st['decode_tokens'] / st['decode_s']:.1f} tok/s" if st["decode_s"] > 0 else ""
-        if args.speculative_method:
+        if llm.engine.proposer.name != "none":
             m = llm.get_metrics()
-            decode += (f", {args.speculative_method}: mean acceptance length {m['mean_acceptance_length']:.2f}, "
+            decode += (f", {llm.engine.proposer.name}: mean acceptance length {m['mean_acceptance_length']:.2f}, "
                        f"{m['num_accepted_tokens']}/{m['num_draft_tokens']} drafts accepted")
         print(f"[specserve] {n} tokens in {wall:.2f} s: {n / wall if wall > 0 else 0.0:.1f} tok/s{decode}, "
               f"prompt {len(out.prompt_token_ids)} tokens, finish_reason={comp.finish_reason}",

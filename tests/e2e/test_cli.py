@@ -172,3 +172,30 @@ def test_num_speculative_tokens_defaults_to_the_drafters_own():
     args = p.parse_args(["generate", "--prompt", "x", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
     assert speculative_config_from_args(args) == {"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def test_speculative_config_json_flag():
+    """``--speculative-config JSON`` (vLLM's flag) carries any drafter option; the other flags add to it,
+    and a contradiction or a bad JSON is a usage error (exit 2), not a traceback."""
+    from specserve.entrypoints.cli import CLIError, build_parser, speculative_config_from_args
+
+    p = build_parser()
+    args = p.parse_args(["generate", "--prompt", "x", "--speculative-config",
+                         '{"method": "dspark", "dspark_tree": "auto"}', "--num-speculative-tokens", "4"])
+    assert speculative_config_from_args(args) == {"method": "dspark", "dspark_tree": "auto",
+                                                  "num_speculative_tokens": 4}
+    args = p.parse_args(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram"}'])
+    assert speculative_config_from_args(args) == {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    for bad, match in ((["--speculative-config", '{"method": "dspark"}', "--speculative-method", "medusa"],
+                        "contradicts"), (["--speculative-config", '{"dspark_tree": 4}'], "needs a")):
+        with pytest.raises(CLIError, match=match):
+            speculative_config_from_args(p.parse_args(["generate", "--prompt", "x", *bad]))
+    r = specserve("generate", "--prompt", "Hi", "--max-tokens", "8", "--temperature", "0",
+                  "--speculative-config", '{"method": "dspark", "dspark_tree": 6}')
+    assert r.returncode == 0, r.stderr
+    assert "dspark: mean acceptance length" in r.stderr
+    for bad in ('{"method": "dspark"', '["dspark"]'):
+        r = specserve("generate", "--prompt", "Hi", "--speculative-config", bad)
+        assert r.returncode == 2 and "--speculative-config" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = specserve("generate", "--prompt", "Hi", "--speculative-config", '{"method": "dspark", "dspark_tree": 0}')
+    assert r.returncode == 2 and "dspark_tree must be" in r.stderr and "Traceback" not in r.stderr, r.stderr
