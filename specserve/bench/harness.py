@@ -49,6 +49,7 @@ from specserve.spec_decode.ngram import POOLED_BRANCHES
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 HELDOUT = "chitchat-heldout"  # --prompts value: the held-out split of the drafters' training prompts
 INSTRUCTIONS_HELDOUT = "instructions-heldout"  # the held-out split of the instruction prompts (train/instructions.py)
+SHAREGPT_HELDOUT = "sharegpt-heldout"  # the held-out split of the ShareGPT prompts (train/sharegpt.py)
 WARMUP_TOKENS = 4
 
 
@@ -71,6 +72,10 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
     from specserve.train.data import DataError, read_prompts_file
 
     try:
+        if str(path) == SHAREGPT_HELDOUT:  # ShareGPT conversations held out of training
+            from specserve.train.sharegpt import load_sharegpt_prompts
+
+            return load_sharegpt_prompts("heldout")
         return read_prompts_file(path if path is not None else BUILTIN_PROMPTS)
     except DataError as e:
         raise BenchError(str(e)) from None

