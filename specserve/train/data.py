@@ -36,7 +36,6 @@ prompts of the same source generates only the ones past those already cached.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -69,14 +68,10 @@ def is_heldout(key: str, fraction: float = HELDOUT_FRACTION) -> bool:
 
 # ---- chitchat ---------------------------------------------------------------------------------------
 def chitchat_path() -> Path:
-    spec = importlib.util.find_spec(DATASET_PACKAGE)  # locate only
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the chitchat dataset is not installed: pip install chitchat-dataset==0.9.0 "
-                        "(or pass --prompts FILE)")
-    p = Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
-    if not p.exists():
-        raise DataError(f"{p} not found in the chitchat-dataset package")
-    return p
+    from specserve.models.loader import package_file
+
+    return package_file(DATASET_PACKAGE, "dataset.json", "the chitchat dataset", "pip install chitchat-dataset==0.9.0",
+                        "or pass --prompts FILE", DataError)
 
 
 _CONVERSATIONS: dict | None = None

