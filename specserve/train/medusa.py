@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, check_distill_temperatures, decode_section,
-                                    evaluated_by, extra_phrase, extra_record, feature_runner, keep_num_threads,
-                                    prompt_sources, replay_by_source, select_draft_vocab, start_run)
+from specserve.train.common import (adamw_cosine, by_source, check_distill_temperatures, check_num_prompts,
+                                    decode_section, eval_prompt_count, evaluated_by, extra_phrase, extra_record,
+                                    feature_runner, keep_num_threads, prompt_sources, replay_by_source,
+                                    select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 
 IGNORE = -100
@@ -55,8 +56,8 @@ class MedusaTrainArgs:
     num_layers: int = 1
     own_lm_head: bool = False
     prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
-    num_prompts: int = 400
-    num_eval_prompts: int | None = None  # default: max(8, num_prompts // 10)
+    num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
+    num_eval_prompts: int | None = None  # default: max(8, the smallest num_prompts // 10)
     max_tokens: int = 128
     temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
     # one more response per training prompt for each, sampled at that temperature (> 0)
@@ -78,15 +79,14 @@ class MedusaTrainArgs:
     eval_only: bool = False  # evaluate the heads already at ``out`` (no training); rewrite their README
 
     def validate(self) -> None:
-        for name in ("num_heads", "num_prompts", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
+        for name in ("num_heads", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab_size}")
-        if self.num_eval_prompts is not None and self.num_eval_prompts < 1:
-            raise ValueError(f"num_eval_prompts must be >= 1, got {self.num_eval_prompts}")
+        check_num_prompts(self)
         if not (self.lr > 0):
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not (0 <= self.warmup < 1):
@@ -95,7 +95,7 @@ class MedusaTrainArgs:
 
     @property
     def eval_prompts(self) -> int:
-        return self.num_eval_prompts or max(8, self.num_prompts // 10)
+        return eval_prompt_count(self)
 
 
 # ---- hidden states ------------------------------------------------------------------------------------

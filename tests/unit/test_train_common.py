@@ -248,3 +248,38 @@ def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path)
     assert any(o["ids"] != g["ids"] for o, g in zip(extra, train_s))  # sampled, not the greedy answers again
     assert run.distill(args)[0][3:] == extra
 
+
+
+def test_num_prompts_one_count_per_source(tiny_llama, tiny_prompts, tmp_path, capsys):
+    """``--num-prompts 3,5`` takes 3 training prompts from the first source and 5 from the second (the
+    same first prompts a single count would take from each); one count serves every source; a list whose
+    length is not the number of sources is an error before anything loads, at the trainer and the CLI."""
+    from specserve.entrypoints.cli import build_parser, main
+    from specserve.train.common import source_counts, start_run
+    from specserve.train.dspark import DSparkTrainArgs
+    from specserve.train.medusa import MedusaTrainArgs
+
+    more = tmp_path / "more.txt"
+    more.write_text("".join(f"question {i} about w{i}\n" for i in range(80)))
+    files = [str(tiny_prompts), str(more)]
+    assert source_counts(files, 4) == [4, 4] and source_counts(files, (3, 5)) == [3, 5]
+    args = DSparkTrainArgs(out=str(tmp_path / "o"), model=str(tiny_llama), prompts_file=files, num_prompts=(3, 5),
+                           num_eval_prompts=2, threads=1, cache_dir=str(tmp_path / "c"))
+    args.validate()
+    run = start_run(args)
+    assert [len(tr) for tr, _ in run.parts] == [3, 5] and [len(he) for _, he in run.parts] == [2, 2]
+    assert [tr for tr, _ in run.parts] == [select_prompts(files[0], 3, 2, 0)[0], select_prompts(files[1], 5, 2, 0)[0]]
+    assert select_prompts(files[1], 5, 2, 0)[0] == select_prompts(files[1], 9, 2, 0)[0][:5]  # a prefix
+    for A in (DSparkTrainArgs, MedusaTrainArgs):
+        assert A(out="x", prompts_file=files, num_prompts=(30, 50)).eval_prompts == 8  # max(8, 30 // 10)
+        with pytest.raises(DataError, match=r"3 prompt counts \(1, 2, 3\) for 2 prompt sources"):
+            A(out="x", prompts_file=files, num_prompts=(1, 2, 3)).validate()
+        with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+            A(out="x", prompts_file=files, num_prompts=(2, 0)).validate()
+    assert build_parser().parse_args(["train", "medusa", "--out", "x", "--num-prompts", "7, 9"]).num_prompts == (7, 9)
+    assert build_parser().parse_args(["train", "dspark", "--out", "x", "--num-prompts", "7"]).num_prompts == 7
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "dspark", "--out", "x", "--num-prompts", "7,x"])
+    capsys.readouterr()
+    assert main(["train", "dspark", "--out", str(tmp_path / "y"), "--prompts", files[0], "--num-prompts", "3,5"]) == 2
+    assert "2 prompt counts (3, 5) for 1 prompt source (" in capsys.readouterr().err
