@@ -309,7 +309,8 @@ def _add_train_dspark_parser(tsub) -> None:
                         "weights, e.g. to train the shipped one further or on your own prompts: DIR's config gives "
                         "the shape, target layers, mask token and draft vocabulary (so none of --num-layers, "
                         "--block-size, --markov-rank, --markov-head-type, --target-layer-ids, --num-target-layers, "
-                        "--mask-token-id, --draft-vocab-size)")
+                        "--mask-token-id; --draft-vocab-size N grows its pruned draft vocabulary to N: its tokens "
+                        "and the most frequent other ones of the new responses)")
     m.add_argument("--add-layers", type=_nonneg_int, default=0, metavar="N",
                    help="with --init-from: grow the drafter by N decoder layers after its own, their output "
                         "projections zero so it starts as the loaded drafter, then train them all (default 0)")
@@ -510,9 +511,10 @@ def cmd_train_dspark(args) -> int:
 
     shape = {k: getattr(args, k) for k in DSPARK_SHAPE_OPTIONS
              if getattr(args, k) not in (None, 0 if k == "draft_vocab_size" else None)}
-    if args.init_from is not None and shape:
+    fixed = [k for k in shape if k != "draft_vocab_size"]  # --draft-vocab-size grows a loaded vocabulary
+    if args.init_from is not None and fixed:
         print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop "
-              + ", ".join("--" + k.replace("_", "-") for k in shape), file=sys.stderr)
+              + ", ".join("--" + k.replace("_", "-") for k in fixed), file=sys.stderr)
         return 2
     targs = DSparkTrainArgs(
         out=args.out, model=args.model, **shape, init_from=args.init_from,

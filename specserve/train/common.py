@@ -177,9 +177,12 @@ def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     return ModelRunner(model_dir, dtype=dtype, max_num_seqs=1), False
 
 
-def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+def select_draft_vocab(samples: list[dict], vocab_size: int, size: int, keep: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """The ``size`` most frequent tokens of the responses (ties and unseen tokens: lowest id first),
-    as target ids in increasing order [size] long: the draft vocabulary (``t2d``'s true rows)."""
+    as target ids in increasing order [size] long: the draft vocabulary (``t2d``'s true rows). ``keep``
+    (target ids, at most ``size``): tokens taken first whatever their counts, the rest filled by count
+    (a grown vocabulary keeps the old one)."""
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
     counts = torch.zeros(vocab_size, dtype=torch.float64)
@@ -187,6 +190,10 @@ def select_draft_vocab(samples: list[dict], vocab_size: int, size: int) -> torch
         resp = torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long)
         counts.index_add_(0, resp, torch.ones(resp.numel(), dtype=torch.float64))
     score = counts - torch.arange(vocab_size, dtype=torch.float64) / (2.0 * vocab_size)  # ties: lower id
+    if keep is not None:
+        if keep.numel() > size:
+            raise ValueError(f"cannot keep {keep.numel()} tokens in a draft vocabulary of {size}")
+        score[keep] = math.inf
     return score.topk(size).indices.sort().values
 
 

@@ -100,7 +100,9 @@ class DSparkTrainArgs:
     target_layer_ids: str | list[int] = "auto"
     num_target_layers: int = DEFAULT_NUM_TARGET_LAYERS  # how many layers "auto" picks
     mask_token_id: int | None = None  # default: vocab_size - 1
-    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else the most frequent response tokens
+    # 0 = the target's whole vocabulary; else the most frequent response tokens. With ``init_from``: grow the
+    # loaded drafter's (pruned) draft vocabulary to this size (0: keep it)
+    draft_vocab_size: int = 0
     anchors_per_seq: int = 16
     prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
     num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
@@ -316,6 +318,32 @@ def set_draft_vocab_(drafter, vocab_ids: torch.Tensor, lm_w: torch.Tensor) -> No
     with torch.no_grad():
         drafter.d2t.copy_(vocab_ids - torch.arange(vocab_ids.numel()))
         drafter.lm_head.weight.copy_(lm_w[vocab_ids].to(drafter.lm_head.weight.dtype))
+
+
+def grow_draft_vocab(cfg, sd: dict[str, torch.Tensor], new_ids: torch.Tensor, lm_w: torch.Tensor):
+    """(config, state dict) of a pruned drafter (``cfg``, ``sd``) whose draft vocabulary becomes
+    ``new_ids`` (sorted target ids, a superset of the old ones): the rows of every draft-vocabulary
+    tensor (lm_head, W2 of the Markov head) move with their tokens; a new token's lm_head row is the
+    target's (``lm_w`` [V, d], as ``set_draft_vocab_`` starts one) and its W2 row zero (no Markov bias
+    yet); ``d2t`` points at the new ids. Raises ``ValueError`` unless the old ids are all kept."""
+    old_ids = torch.arange(sd["d2t"].numel()) + sd["d2t"].long()
+    where = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+    where[old_ids] = torch.arange(old_ids.numel())
+    src = where[new_ids]
+    kept = src >= 0
+    if int(kept.sum()) != old_ids.numel():
+        raise ValueError("a grown draft vocabulary must keep every token of the old one")
+    out = dict(sd)
+    lm = lm_w[new_ids].to(sd["lm_head.weight"].dtype).clone()
+    lm[kept] = sd["lm_head.weight"][src[kept]]
+    out["lm_head.weight"] = lm
+    name = "markov_head.markov_w2.weight"
+    if name in sd:
+        w2 = sd[name].new_zeros(new_ids.numel(), sd[name].shape[1])
+        w2[kept] = sd[name][src[kept]]
+        out[name] = w2
+    out["d2t"] = (new_ids - torch.arange(new_ids.numel())).to(sd["d2t"].dtype)
+    return dataclasses.replace(cfg, draft_vocab_size=int(new_ids.numel())), out
 
 
 def draft_vocab_ids(drafter) -> torch.Tensor | None:
@@ -865,6 +893,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     t = run.t_distill
     tcfg = llm.engine.runner.config
     saved = None  # eval_only / init_from: (config, state dict, config.json) of the drafter read
+    grow_from = None  # init_from with draft_vocab_size: the loaded draft vocabulary (target ids), to grow
     try:
         if args.eval_only or args.init_from is not None:
             from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
@@ -873,6 +902,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
             cfg_sd = load_dspark_checkpoint(path, tcfg)
             saved = (*cfg_sd, json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
             layer_ids, mask_id = list(saved[0].target_layer_ids), int(saved[0].mask_token_id)
+            if args.init_from is not None and args.draft_vocab_size:  # checked before hours of data
+                grow_from = _growable_vocab(saved[0], saved[1], args.draft_vocab_size)
         else:
             layer_ids = resolve_layer_ids(args.target_layer_ids, tcfg.num_hidden_layers, args.num_target_layers)
             mask_id = tcfg.vocab_size - 1 if args.mask_token_id is None else int(args.mask_token_id)
@@ -905,15 +936,18 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
 
     # -- the drafter
     if saved:
-        cfg = saved[0]
+        cfg, sd = saved[0], saved[1]
+        if grow_from is not None:  # the loaded vocabulary + this run's most frequent other response tokens
+            new_ids = select_draft_vocab(train_s, tcfg.vocab_size, args.draft_vocab_size, keep=grow_from)
+            cfg, sd = grow_draft_vocab(cfg, sd, new_ids, lm_w)
         if args.add_layers:
             cfg = dataclasses.replace(cfg, num_layers=cfg.num_layers + args.add_layers)
         drafter = DFlashDrafter(cfg, dtype=torch.float32)
         if args.add_layers:
             torch.manual_seed(train_seed)
-            grow_drafter_(drafter, saved[1], saved[0].num_layers)
+            grow_drafter_(drafter, sd, saved[0].num_layers)
         else:
-            drafter.load_state(saved[1])
+            drafter.load_state(sd)
         drafter.requires_grad_(args.init_from is not None)  # loaded weights are frozen until trained further
     else:
         cfg = drafter_config(tcfg, num_layers=args.num_layers, block_size=args.block_size, layer_ids=layer_ids,
@@ -1000,7 +1034,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "generation_dtype": gen_dtype, "chat_template": args.chat,
                               **extra_record(args)},
-        **({"init_from": _init_record(args.init_from, saved[2], args.add_layers, saved[0].num_layers)}
+        **({"init_from": _init_record(args.init_from, saved[2], args.add_layers, saved[0].num_layers,
+                                      None if grow_from is None else saved[0].draft_vocab_size)}
            if args.init_from is not None else {}),
         "feature_dtype": args.feature_dtype,
         "train_dtype": args.train_dtype,
@@ -1120,12 +1155,28 @@ def _precision(train_dtype: str) -> str:
     return "float32"
 
 
-def _init_record(path: str, raw: dict, add_layers: int = 0, num_layers: int = 0) -> dict:
+def _growable_vocab(cfg, sd: dict, size: int) -> torch.Tensor:
+    """The draft vocabulary (target ids) of the loaded drafter ``cfg``/``sd`` that ``--draft-vocab-size
+    size`` grows; ``ValueError`` unless it is pruned and smaller than ``size``, itself below the target's."""
+    if not cfg.pruned_vocab:
+        raise ValueError(f"--draft-vocab-size {size} with --init-from grows a pruned draft vocabulary; the loaded "
+                         f"drafter drafts over the target's whole vocabulary ({cfg.vocab_size})")
+    if not cfg.draft_vocab_size < size < cfg.vocab_size:
+        raise ValueError(f"--draft-vocab-size {size} with --init-from must grow the loaded drafter's draft "
+                         f"vocabulary: more than its {cfg.draft_vocab_size}, fewer than the target's {cfg.vocab_size}")
+    return torch.arange(cfg.draft_vocab_size) + sd["d2t"].long()
+
+
+def _init_record(path: str, raw: dict, add_layers: int = 0, num_layers: int = 0,
+                 vocab_grown_from: int | None = None) -> dict:
     """What the training record keeps of the drafter a run started from: its path, and the command and
     total time of its own training when its config.json has them (a checkpoint of ours); the layers it
-    was grown by (``add_layers``) after its ``num_layers``."""
+    was grown by (``add_layers``) after its ``num_layers``; the size of its draft vocabulary when the run
+    grew it (``vocab_grown_from``)."""
     tr = raw.get("training") or {}
     grown = {"added_layers": add_layers, "loaded_layers": num_layers} if add_layers else {}
+    if vocab_grown_from is not None:
+        grown["draft_vocab_grown_from"] = vocab_grown_from
     return {"path": path, "command": tr.get("command"), "total_s": (tr.get("timings_s") or {}).get("total_s"),
             **grown}
 
@@ -1141,9 +1192,12 @@ def _init_line(meta: dict, out: Path) -> str:
     if init.get("command"):
         took = f", {init['total_s']:.0f} s" if init.get("total_s") is not None else ""
         made = f" (made by `{init['command']}`{took})"
-    kept = "its weights, shape, target layers, mask token and draft vocabulary, trained further"
+    vocab = "draft vocabulary"
+    if init.get("draft_vocab_grown_from"):
+        vocab = f"draft vocabulary of {init['draft_vocab_grown_from']:,} tokens (grown, `--draft-vocab-size`)"
+    kept = f"its weights, shape, target layers, mask token and {vocab}, trained further"
     if init.get("added_layers"):
-        kept = (f"its weights, target layers, mask token and draft vocabulary, grown by {init['added_layers']} "
+        kept = (f"its weights, target layers, mask token and {vocab}, grown by {init['added_layers']} "
                 f"decoder layer(s) after its {init['loaded_layers']} (`--add-layers`; their output projections "
                 "start at zero, so the grown drafter started as the loaded one), all trained further")
     return f"\n- **Initialised from** {where}{made}: {kept} by the command above."
@@ -1169,8 +1223,12 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, sts: dict) -> str:
     if cfg.pruned_vocab:
         fmt = "speculators format, `speculators_model_type: dspark`"
         whose = "the starting drafter's" if meta.get("init_from") else "the"
-        vocab = (f"Draft vocabulary: the {cfg.draft_vocab_size:,} most frequent tokens of {whose} training responses "
-                 f"(`d2t`), covering {100 * meta['heldout_draft_vocab_coverage']:.2f}% of the held-out response "
+        which = f"the {cfg.draft_vocab_size:,} most frequent tokens of {whose} training responses"
+        n_old = (meta.get("init_from") or {}).get("draft_vocab_grown_from")
+        if n_old:
+            which = (f"{cfg.draft_vocab_size:,} tokens: the starting drafter's {n_old:,} and the "
+                     f"{cfg.draft_vocab_size - n_old:,} most frequent other tokens of this run's training responses")
+        vocab = (f"Draft vocabulary: {which} (`d2t`), covering {100 * meta['heldout_draft_vocab_coverage']:.2f}% of the held-out response "
                  "tokens, with the drafter's own lm_head over them (initialised from the target's rows, trained); "
                  "the embedding is the target's (frozen, not stored).")
     else:

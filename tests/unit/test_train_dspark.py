@@ -326,8 +326,14 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
 
     # the shape comes from the checkpoint: shape options beside --init-from are errors, naming them
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--init-from", str(first), "--num-layers", "2",
-                 "--draft-vocab-size", "50", *common]) == 2
-    assert "drop --num-layers, --draft-vocab-size" in capsys.readouterr().err
+                 "--block-size", "4", "--draft-vocab-size", "150", *common]) == 2
+    err = capsys.readouterr().err
+    assert "drop --num-layers, --block-size" in err and "--draft-vocab-size" not in err
+    assert not (tmp_path / "x").exists()
+    # --draft-vocab-size beside --init-from grows the draft vocabulary, never shrinks it (checked before any data)
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--init-from", str(first),
+                 "--draft-vocab-size", "80", *common]) == 2
+    assert "must grow the loaded drafter's draft vocabulary: more than its 100" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # a checkpoint that does not fit the target: the field is named
     bad = tmp_path / "bad"
@@ -338,6 +344,75 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     assert "hidden_size" in capsys.readouterr().err and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="init_from"):
         DSparkTrainArgs(out="z", init_from=str(first), eval_only=True).validate()
+
+
+def test_grow_draft_vocab_moves_rows_with_their_tokens(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """``grow_draft_vocab``: every old token keeps its lm_head and W2 rows at its new draft index, a new
+    token starts from the target's lm_head row and a zero W2 row, so on the old tokens the grown drafter's
+    logits are the old drafter's. ``--init-from D --draft-vocab-size N`` trains the grown drafter (its
+    vocabulary a superset of D's: D's tokens and the most frequent other ones), records and describes the
+    growth, and stays lossless; a drafter over the whole vocabulary cannot be grown."""
+    from safetensors.torch import load_file
+
+    from specserve.entrypoints.cli import main
+    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+    from specserve.spec_decode.dspark_model import DFlashDrafter
+    from specserve.train.common import select_draft_vocab
+    from specserve.train.dspark import draft_vocab_ids, grow_draft_vocab
+
+    common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens",
+              "24", "--anchors-per-seq", "8", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress"]
+    first = tmp_path / "first"
+    assert main(["train", "dspark", "--out", str(first), "--block-size", "3", "--markov-rank", "8",
+                 "--draft-vocab-size", "60", "--epochs", "1", "--lr", "3e-3", *common]) == 0
+    tcfg = _target_cfg(tiny_llama)
+    cfg, sd = load_dspark_checkpoint(first, tcfg)
+    old_ids = torch.arange(60) + sd["d2t"].long()
+    extra = torch.tensor([i for i in range(tcfg.vocab_size) if i not in set(old_ids.tolist())][:25])
+    new_ids = torch.cat([old_ids, extra]).sort().values
+    lm_w = torch.randn(tcfg.vocab_size, tcfg.hidden_size)
+    gcfg, gsd = grow_draft_vocab(cfg, sd, new_ids, lm_w)
+    assert gcfg.draft_vocab_size == 85 and cfg.draft_vocab_size == 60
+    old_d, new_d = DFlashDrafter(cfg, dtype=torch.float32), DFlashDrafter(gcfg, dtype=torch.float32)
+    old_d.load_state(sd)
+    new_d.load_state(gsd)
+    assert torch.equal(draft_vocab_ids(new_d), new_ids)
+    pos = {int(t): j for j, t in enumerate(new_ids)}
+    at = torch.tensor([pos[int(t)] for t in old_ids])
+    new_rows = torch.tensor([pos[int(t)] for t in extra])
+    h, r = torch.randn(5, tcfg.hidden_size), torch.randn(5, cfg.markov_rank)
+    w2_old, w2_new = old_d.markov_head.markov_w2.weight, new_d.markov_head.markov_w2.weight
+    torch.testing.assert_close((h @ new_d.lm_head.weight.T + r @ w2_new.T)[:, at], h @ old_d.lm_head.weight.T + r @ w2_old.T,
+                               rtol=0, atol=0)
+    stored = sd["lm_head.weight"].dtype  # a new row is the target's, in the checkpoint's dtype
+    assert torch.equal(new_d.lm_head.weight[new_rows], lm_w[extra].to(stored).to(new_d.lm_head.weight.dtype))
+    assert not w2_new[new_rows].any()
+    with pytest.raises(ValueError, match="keep every token"):
+        grow_draft_vocab(cfg, sd, extra.sort().values, lm_w)
+    keep = torch.tensor([3, 9])
+    assert set(keep.tolist()) <= set(select_draft_vocab([{"ids": [1, 1, 2], "prompt_len": 0}], 20, 3, keep=keep).tolist())
+
+    grown = tmp_path / "grown"
+    argv = ["train", "dspark", "--out", str(grown), "--init-from", str(first), "--draft-vocab-size", "90",
+            "--epochs", "1", "--lr", "1e-3", *common]
+    assert main(argv) == 0
+    capsys.readouterr()
+    c = json.loads((grown / "config.json").read_text())
+    assert c["draft_vocab_size"] == 90 and c["training"]["init_from"]["draft_vocab_grown_from"] == 60
+    ids = torch.arange(90) + load_file(str(grown / "model.safetensors"))["d2t"].long()
+    assert set(old_ids.tolist()) < set(ids.tolist())
+    readme = (grown / "README.md").read_text()
+    assert "Draft vocabulary: 90 tokens: the starting drafter's 60 and the 30 most frequent other tokens" in readme
+    assert "draft vocabulary of 60 tokens (grown, `--draft-vocab-size`)" in readme
+    _greedy_identical(tiny_llama, grown, "dspark")
+    # a drafter over the target's whole vocabulary has no draft vocabulary to grow
+    full = tmp_path / "full"
+    assert main(["train", "dspark", "--out", str(full), "--block-size", "3", "--markov-rank", "0", "--epochs", "1",
+                 *common]) == 0
+    capsys.readouterr()
+    assert main(["train", "dspark", "--out", str(tmp_path / "z"), "--init-from", str(full), "--draft-vocab-size", "90",
+                 *common]) == 2
+    assert "grows a pruned draft vocabulary" in capsys.readouterr().err
 
 
 def test_cli_train_dspark_add_layers_grows_the_loaded_drafter(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
