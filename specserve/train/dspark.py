@@ -976,7 +976,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         f_held = [(a, h, l) for (a, h), l in zip(f_held, target_lse(lm_w, lm_b, f_held, held_s, cache=lse_cache,
                                                                      log=log))]
         timings["draft_vocab_s"] = time.perf_counter() - t
-        log(f"draft vocabulary: the {cfg.draft_vocab_size} most frequent response tokens; they cover "
+        grown = "" if grow_from is None else f", grown from {grow_from.numel()}"
+        log(f"draft vocabulary: {cfg.draft_vocab_size} tokens{grown}; they cover "
             f"{100 * vocab_cover:.2f}% of the held-out response tokens")
     n_params = sum(p.numel() for p in drafter.parameters())
     G = cfg.block_size
