@@ -249,7 +249,6 @@ def test_self_distill_skips_prompts_too_long_for_the_model(tiny_llama, tmp_path)
     assert run.distill(args)[0][3:] == extra
 
 
-
 def test_num_prompts_one_count_per_source(tiny_llama, tiny_prompts, tmp_path, capsys):
     """``--num-prompts 3,5`` takes 3 training prompts from the first source and 5 from the second (the
     same first prompts a single count would take from each); one count serves every source; a list whose
