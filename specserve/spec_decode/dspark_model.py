@@ -416,7 +416,7 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
         raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
     if d2t is not None and d2t.dtype == torch.bool:  # a t2d mask
         target_vocab_size = target_vocab_size or d2t.numel()
-    to_target = _target_ids(d2t, device)
+    to_target = draft_target_ids(d2t, device)
     if to_target is not None and sampled and target_vocab_size is None:
         raise ValueError("a pruned draft vocabulary needs target_vocab_size to map q to the target vocabulary")
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B)
@@ -468,7 +468,7 @@ def _sample_one(p: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.multinomial(p, 1, generator=generator)[0]
 
 
-def _target_ids(d2t: torch.Tensor | None, device) -> torch.Tensor | None:
+def draft_target_ids(d2t: torch.Tensor | None, device=None) -> torch.Tensor | None:
     """The target id of every draft id [V_draft] from ``d2t`` offsets or a bool ``t2d`` mask (None: the
     draft vocabulary is the target's)."""
     if d2t is None:
@@ -536,7 +536,7 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     greedy = torch.tensor([t is None or t < 1e-5 for t in temps], device=device).view(B, 1, 1)
     scale = torch.tensor([1.0 if t is None or t < 1e-5 else float(t) for t in temps], device=device).view(B, 1, 1)
     ctemps = list(confidence_temperatures or [])
-    to_target = _target_ids(d2t, device)
+    to_target = draft_target_ids(d2t, device)
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B, 1)
     fscore = torch.ones(B, 1, device=device)
     fidx = torch.full((B, 1), -1, dtype=torch.long, device=device)

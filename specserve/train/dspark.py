@@ -326,7 +326,9 @@ def grow_draft_vocab(cfg, sd: dict[str, torch.Tensor], new_ids: torch.Tensor, lm
     tensor (lm_head, W2 of the Markov head) move with their tokens; a new token's lm_head row is the
     target's (``lm_w`` [V, d], as ``set_draft_vocab_`` starts one) and its W2 row zero (no Markov bias
     yet); ``d2t`` points at the new ids. Raises ``ValueError`` unless the old ids are all kept."""
-    old_ids = torch.arange(sd["d2t"].numel()) + sd["d2t"].long()
+    from specserve.spec_decode.dspark_model import draft_target_ids
+
+    old_ids = draft_target_ids(sd["d2t"])
     where = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     where[old_ids] = torch.arange(old_ids.numel())
     src = where[new_ids]
@@ -348,9 +350,9 @@ def grow_draft_vocab(cfg, sd: dict[str, torch.Tensor], new_ids: torch.Tensor, lm
 
 def draft_vocab_ids(drafter) -> torch.Tensor | None:
     """The target ids of a pruned drafter's draft vocabulary [V_draft] (None: the full vocabulary)."""
-    if drafter.d2t is None:
-        return None
-    return torch.arange(drafter.d2t.numel()) + drafter.d2t
+    from specserve.spec_decode.dspark_model import draft_target_ids
+
+    return draft_target_ids(drafter.d2t)
 
 
 def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, samples: list[dict],
@@ -1165,7 +1167,9 @@ def _growable_vocab(cfg, sd: dict, size: int) -> torch.Tensor:
     if not cfg.draft_vocab_size < size < cfg.vocab_size:
         raise ValueError(f"--draft-vocab-size {size} with --init-from must grow the loaded drafter's draft "
                          f"vocabulary: more than its {cfg.draft_vocab_size}, fewer than the target's {cfg.vocab_size}")
-    return torch.arange(cfg.draft_vocab_size) + sd["d2t"].long()
+    from specserve.spec_decode.dspark_model import draft_target_ids
+
+    return draft_target_ids(sd["d2t"])
 
 
 def _init_record(path: str, raw: dict, add_layers: int = 0, num_layers: int = 0,
