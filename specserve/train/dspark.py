@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
+from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES, DFlashDrafter, DSparkConfig, draft_target_ids
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
                                     check_num_prompts, decode_section, eval_prompt_count, evaluated_by,
                                     extra_phrase, extra_record, feature_runner, fingerprint, keep_num_threads,
@@ -155,8 +156,6 @@ class DSparkTrainArgs:
             raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = the target's vocabulary), got {self.draft_vocab_size}")
-        from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES
-
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
                              f"got {self.markov_head_type!r}")
@@ -298,8 +297,6 @@ def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[in
     confidence head (reading ``W1[x_{k-1}]`` too when there is a Markov head). ``draft_vocab_size``
     0 (or >= the target's): the target's vocabulary and lm_head; else a pruned draft vocabulary with
     the drafter's own lm_head and ``d2t`` (set by ``set_draft_vocab_``)."""
-    from specserve.spec_decode.dspark_model import DSparkConfig
-
     return DSparkConfig(
         hidden_size=tcfg.hidden_size, num_attention_heads=tcfg.num_attention_heads,
         num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
@@ -326,8 +323,6 @@ def grow_draft_vocab(cfg, sd: dict[str, torch.Tensor], new_ids: torch.Tensor, lm
     tensor (lm_head, W2 of the Markov head) move with their tokens; a new token's lm_head row is the
     target's (``lm_w`` [V, d], as ``set_draft_vocab_`` starts one) and its W2 row zero (no Markov bias
     yet); ``d2t`` points at the new ids. Raises ``ValueError`` unless the old ids are all kept."""
-    from specserve.spec_decode.dspark_model import draft_target_ids
-
     old_ids = draft_target_ids(sd["d2t"])
     where = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     where[old_ids] = torch.arange(old_ids.numel())
@@ -350,8 +345,6 @@ def grow_draft_vocab(cfg, sd: dict[str, torch.Tensor], new_ids: torch.Tensor, lm
 
 def draft_vocab_ids(drafter) -> torch.Tensor | None:
     """The target ids of a pruned drafter's draft vocabulary [V_draft] (None: the full vocabulary)."""
-    from specserve.spec_decode.dspark_model import draft_target_ids
-
     return draft_target_ids(drafter.d2t)
 
 
@@ -883,8 +876,6 @@ def _summary(ev: dict) -> dict:
 
 
 def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
-    from specserve.spec_decode.dspark_model import DFlashDrafter
-
     run = start_run(args)
     t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
     model_fp = _model_fingerprint(model_dir)
@@ -1167,8 +1158,6 @@ def _growable_vocab(cfg, sd: dict, size: int) -> torch.Tensor:
     if not cfg.draft_vocab_size < size < cfg.vocab_size:
         raise ValueError(f"--draft-vocab-size {size} with --init-from must grow the loaded drafter's draft "
                          f"vocabulary: more than its {cfg.draft_vocab_size}, fewer than the target's {cfg.vocab_size}")
-    from specserve.spec_decode.dspark_model import draft_target_ids
-
     return draft_target_ids(sd["d2t"])
 
 
