@@ -17,3 +17,12 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm`` over the last dim of ``x`` [..., n, D] with a weight per row of the last two dims
+    (``weight`` [n, D], e.g. the q_norm weight for the query heads stacked over the k_norm weight for the
+    key heads): several norms of the same size in one call. Float32 inside, as ``RMSNorm``."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+    return weight * F.rms_norm(x.float(), weight.shape[-1:], None, eps).to(x.dtype)

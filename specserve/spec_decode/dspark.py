@@ -115,6 +115,7 @@ class DSparkDraftWorker:
         self.drafter.eval().requires_grad_(False)
         self.device = runner.device  # the target's: its embedding, lm_head and features
         self.drafter.to(self.device)
+        self.drafter.fuse_projections()
         if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
             from specserve.engine.model_runner import pack_linears
             from specserve.layers.linear import mkldnn_packing_available

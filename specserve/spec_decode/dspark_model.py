@@ -50,7 +50,7 @@ from torch import nn
 from specserve.distributed.parallel_state import TPGroup
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.linear import ReplicatedLinear, ShapeMismatch, default_weight_loader
-from specserve.layers.norm import RMSNorm
+from specserve.layers.norm import RMSNorm, rms_norm_heads
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.loader import CheckpointError
 
@@ -425,17 +425,17 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
                           torch.zeros(B, 0, target_vocab_size or 0, device=device) if sampled else None,
                           None if confidence_head is None else torch.zeros(B, 0, device=device))
     base = base_logits_fn(hidden).float()  # [B, g, V_draft]
-    tokens, probs, confs = [], [], []
-    state = None
-    for k in range(g):
-        h_k = hidden[:, k]
-        emb = None
+    tokens, probs, embs = [], [], []
+    state, drafted = None, None
+    if markov is None and not sampled:  # pure DFlash, greedy: no position depends on another's draft
+        drafted = base.argmax(dim=-1)
+        drafted = drafted if to_target is None else to_target[drafted]
+    for k in range(0 if drafted is not None else g):
         logits = base[:, k]
         if markov is not None:
-            bias, state, emb = markov.step(prev, h_k, state)
-            logits = logits + bias.float()
-        if confidence_head is not None:
-            confs.append(confidence_head(h_k, emb).float())
+            bias, state, emb = markov.step(prev, hidden[:, k], state)
+            logits = torch.add(logits, bias)  # float32 (bias promoted exactly)
+            embs.append(emb)
         x = logits.argmax(dim=-1)
         if sampled:
             q = torch.zeros_like(logits)
@@ -447,6 +447,9 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
             x = to_target[x]
         tokens.append(x)
         prev = x
+    confs = None
+    if confidence_head is not None:  # c_k reads [h_k; W1[x_{k-1}]]: every position in one call
+        confs = confidence_head(hidden, torch.stack(embs, dim=1) if embs else None).float()
     out_probs = None
     if sampled:
         q = torch.stack(probs, dim=1)  # [B, g, V_draft]
@@ -455,7 +458,7 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
             full[..., to_target] = q
             q = full
         out_probs = q
-    return DraftBlock(torch.stack(tokens, dim=1), out_probs, torch.stack(confs, dim=1) if confs else None)
+    return DraftBlock(torch.stack(tokens, dim=1) if drafted is None else drafted, out_probs, confs)
 
 
 def _sample_one(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -484,14 +487,19 @@ def draft_target_ids(d2t: torch.Tensor | None, device=None) -> torch.Tensor | No
     return torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
 
 
+def confidence_temperature_list(temperatures, g: int) -> list[float]:
+    """The sequential-temperature-scaling divisor of each of ``g`` slots: ``temperatures[k]``, or 1 past
+    the end of the list (or None) or for a non-positive entry."""
+    return [float(x) if float(x) > 0 else 1.0 for x in (list(temperatures or []) + [1.0] * g)[:g]]
+
+
 def calibrate_confidences(c: torch.Tensor, temperatures) -> torch.Tensor:
     """Confidences [..., g] after sequential temperature scaling: slot k's logit divided by
-    ``temperatures[k]`` (1 past the end of the list or for a non-positive entry); float32."""
+    ``temperatures[k]`` (``confidence_temperature_list``); float32."""
     c = c.float()
     if not temperatures:
         return c
-    g = c.shape[-1]
-    t = [float(x) if float(x) > 0 else 1.0 for x in (list(temperatures) + [1.0] * g)[:g]]
+    t = confidence_temperature_list(temperatures, c.shape[-1])
     return torch.sigmoid(torch.logit(c.clamp(1e-6, 1 - 1e-6)) / torch.tensor(t, device=c.device))
 
 
@@ -539,9 +547,11 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     if topk < 1 or beam < 1:
         raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
     temps = [None] * B if temperatures is None else list(temperatures)
-    greedy = torch.tensor([t is None or t < 1e-5 for t in temps], device=device).view(B, 1, 1)
-    scale = torch.tensor([1.0 if t is None or t < 1e-5 else float(t) for t in temps], device=device).view(B, 1, 1)
-    ctemps = list(confidence_temperatures or [])
+    is_greedy = [t is None or t < 1e-5 for t in temps]
+    greedy = torch.tensor(is_greedy, device=device).view(B, 1, 1)
+    scale = None if all(is_greedy) else torch.tensor([1.0 if gr else float(t) for gr, t in zip(is_greedy, temps)],
+                                                     device=device).view(B, 1, 1)
+    ctemps = confidence_temperature_list(confidence_temperatures, g)
     to_target = draft_target_ids(d2t, device)
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B, 1)
     fscore = torch.ones(B, 1, device=device)
@@ -556,20 +566,22 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         emb = None
         if markov is not None:
             bias, state, emb = markov.step(prev.reshape(-1), h, state)
-            logits = logits + bias.float().view(B, W, V)
-        top_q, top_i = torch.softmax(logits / scale, dim=-1).topk(kk, dim=-1)  # [B, W, kk]
-        factor = top_q
-        if confidence_head is not None:
-            c = calibrate_confidences(confidence_head(h, emb).view(B, W, 1), ctemps[k : k + 1])
+            logits = torch.add(logits, bias.view(B, W, V))  # float32 (bias promoted exactly)
+        top_q, top_i = torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(kk, dim=-1)
+        factor = top_q  # [B, W, kk]
+        if confidence_head is not None and any(is_greedy):
+            # the calibrated confidence: sigmoid(logit / T_k) (sequential temperature scaling)
+            c = torch.sigmoid(confidence_head.logits(h, emb).float().view(B, W, 1) / ctemps[k])
             rest = (1.0 - c) * top_q[..., 1:] / (1.0 - top_q[..., :1]).clamp_min(1e-6)
-            factor = torch.where(greedy, torch.cat([c, rest.clamp(max=1.0)], dim=-1), top_q)
+            factor = torch.cat([c, rest.clamp(max=1.0)], dim=-1)
+            factor = factor if scale is None else torch.where(greedy, factor, top_q)
         child = (fscore.unsqueeze(-1) * factor).reshape(B, W * kk)
         tok = top_i.reshape(B, W * kk)
         tok = to_target[tok] if to_target is not None else tok
         toks.append(tok)
         pars.append(fidx.unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk))
         scores.append(child)
-        depth.append(torch.full((W * kk,), k + 1, dtype=torch.long, device=device))
+        depth += [k + 1] * (W * kk)
         if k + 1 < g:  # the next depth expands this depth's best nodes
             fscore, j = child.topk(min(beam, W * kk), dim=-1)
             prev, fidx = tok.gather(1, j), offset + j
@@ -580,7 +592,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     if not toks:
         empty = torch.zeros(B, 0, dtype=torch.long, device=device)
         return DraftTree(empty, empty, torch.zeros(0, dtype=torch.long, device=device), torch.zeros(B, 0, device=device))
-    return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(depth), torch.cat(scores, 1))
+    return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.tensor(depth, dtype=torch.long, device=device),
+                     torch.cat(scores, 1))
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
@@ -615,6 +628,23 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.scale = D**-0.5
+        self.qkv_proj = None  # set by ``fuse``
+        self.qk_norm_weight = None
+
+    def fuse(self) -> None:
+        """For inference: q, k and v in one GEMM (one weight read, one call), and q_norm, k_norm and the
+        rotation over all heads of q and k at once. Same math as the separate layers (each output is the
+        same dot product; the norms are per head); the separate q/k/v weights are dropped, so a fused
+        layer no longer trains or saves."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight.data for p in projs])
+        self.qkv_proj = ReplicatedLinear(w.shape[1], w.shape[0], self.q_proj.bias is not None, dtype=w.dtype).to(w.device)
+        self.qkv_proj.weight.data = w
+        if self.q_proj.bias is not None:
+            self.qkv_proj.bias.data = torch.cat([p.bias.data for p in projs])
+        self.qk_norm_weight = torch.cat([self.q_norm.weight.data.expand(self.H, self.D),
+                                         self.k_norm.weight.data.expand(self.Hkv, self.D)])
+        self.q_proj = self.k_proj = self.v_proj = None
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [n, d] -> k, v [Hkv, n, D] (k normed per head and rotated at its positions)."""
@@ -628,9 +658,16 @@ class DFlashAttention(nn.Module):
         [S, Q, 1, D], ctx_k/v [S, Hkv, n, D] (the context, already projected), mask None or bool
         [S, 1, Q, n + Q] -> [S, Q, d]. Differentiable (the trainer runs it too)."""
         S, Q, _ = x.shape
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(S, Q, self.H, self.D)), cos, sin).transpose(1, 2)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(S, Q, self.Hkv, self.D)), cos, sin).transpose(1, 2)
-        v = self.v_proj(x).view(S, Q, self.Hkv, self.D).transpose(1, 2)
+        if self.qkv_proj is not None:  # fused for inference (``fuse``)
+            H, Hkv = self.H, self.Hkv
+            qkv = self.qkv_proj(x).view(S, Q, H + 2 * Hkv, self.D)
+            qk = apply_rotary(rms_norm_heads(qkv[:, :, : H + Hkv], self.qk_norm_weight, self.q_norm.eps), cos, sin)
+            q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+            v = qkv[:, :, H + Hkv :].transpose(1, 2)
+        else:
+            q = apply_rotary(self.q_norm(self.q_proj(x).view(S, Q, self.H, self.D)), cos, sin).transpose(1, 2)
+            k = apply_rotary(self.k_norm(self.k_proj(x).view(S, Q, self.Hkv, self.D)), cos, sin).transpose(1, 2)
+            v = self.v_proj(x).view(S, Q, self.Hkv, self.D).transpose(1, 2)
         k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
         v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
@@ -644,8 +681,19 @@ class DFlashMLP(nn.Module):
         self.gate_proj = ReplicatedLinear(cfg.hidden_size, cfg.intermediate_size, False, dtype=dtype)
         self.up_proj = ReplicatedLinear(cfg.hidden_size, cfg.intermediate_size, False, dtype=dtype)
         self.down_proj = ReplicatedLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype=dtype)
+        self.gate_up_proj = None  # set by ``fuse``
+
+    def fuse(self) -> None:
+        """For inference: gate and up projections in one GEMM (the separate weights are dropped)."""
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_up_proj = ReplicatedLinear(w.shape[1], w.shape[0], dtype=w.dtype).to(w.device)
+        self.gate_up_proj.weight.data = w
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -708,13 +756,12 @@ class DraftCache:
         positions = torch.as_tensor(positions, dtype=torch.long, device=self._device).reshape(-1)
         if positions.numel() != n:
             raise ValueError(f"{n} feature rows but {positions.numel()} positions")
-        kv = self.drafter.project_context(features, positions)
+        k, v = self.drafter.project_context(features, positions)
         if self.length + n > self.capacity:
             self._alloc(max(self.length + n, 2 * self.capacity))
         a, b = self.length, self.length + n
-        for i, (k, v) in enumerate(kv):
-            self.k[i, :, a:b] = k
-            self.v[i, :, a:b] = v
+        self.k[:, :, a:b] = k
+        self.v[:, :, a:b] = v
         self._pos[a:b] = positions
         self.length = b
 
@@ -764,6 +811,8 @@ class DFlashDrafter(nn.Module):
         self.confidence_head = None
         if cfg.enable_confidence_head:
             self.confidence_head = ConfidenceHead(d, cfg.markov_rank, cfg.confidence_head_with_markov, dtype)
+        self.ctx_kv_proj = None  # ``fuse_projections``
+        self.ctx_k_norm_weight = None
 
     # -- context ------------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 64) -> DraftCache:
@@ -775,10 +824,36 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features.to(device=w.device, dtype=w.dtype)))
 
     def project_context(self, features: torch.Tensor, positions: torch.Tensor):
-        """Context rows [n, m*d] at positions [n] -> per layer (k, v) [Hkv, n, D]."""
+        """Context rows [n, m*d] at positions [n] -> k, v [num_layers, Hkv, n, D] (every layer's)."""
         h = self.context_features(features)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        return [layer.self_attn.project_kv(h, cos, sin) for layer in self.layers]
+        if self.ctx_kv_proj is None:
+            kv = [layer.self_attn.project_kv(h, cos, sin) for layer in self.layers]
+            return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+        n, L, Hkv, D = h.shape[0], len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim
+        kv = self.ctx_kv_proj(h).view(n, 2, L * Hkv, D)
+        k = apply_rotary(rms_norm_heads(kv[:, 0], self.ctx_k_norm_weight, self.cfg.rms_norm_eps), cos, sin)
+        return k.view(n, L, Hkv, D).permute(1, 2, 0, 3), kv[:, 1].view(n, L, Hkv, D).permute(1, 2, 0, 3)
+
+    def fuse_projections(self) -> None:
+        """For inference (the drafting worker): fewer, larger GEMMs and fewer small ops per drafting step,
+        the same math. Each layer's q/k/v and gate/up projections become one GEMM each
+        (``DFlashAttention.fuse``, ``DFlashMLP.fuse``), and the context K/V of all layers one GEMM with
+        their k_norms in one call (``project_context``). Call after the weights are loaded and before
+        ``pack_linears``; a fused drafter no longer trains or saves."""
+        if self.ctx_kv_proj is not None:
+            return
+        attn = [layer.self_attn for layer in self.layers]
+        w = torch.cat([a.k_proj.weight.data for a in attn] + [a.v_proj.weight.data for a in attn])
+        has_bias = attn[0].k_proj.bias is not None
+        self.ctx_kv_proj = ReplicatedLinear(w.shape[1], w.shape[0], has_bias, dtype=w.dtype).to(w.device)
+        self.ctx_kv_proj.weight.data = w
+        if has_bias:
+            self.ctx_kv_proj.bias.data = torch.cat([a.k_proj.bias.data for a in attn] + [a.v_proj.bias.data for a in attn])
+        self.ctx_k_norm_weight = torch.cat([a.k_norm.weight.data.expand(a.Hkv, a.D) for a in attn])
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     # -- block --------------------------------------------------------------------------------------
     def block_input_ids(self, anchor) -> torch.Tensor:
@@ -893,6 +968,8 @@ class DFlashDrafter(nn.Module):
 
     # -- weights ------------------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:
+        if self.ctx_kv_proj is not None:
+            raise RuntimeError("a drafter fused for inference (fuse_projections) has no checkpoint tensors")
         out = dict(self.named_parameters())
         if self.d2t is not None:
             out["d2t"] = self.d2t

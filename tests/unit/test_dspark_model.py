@@ -617,11 +617,20 @@ def direct_block(sd, cfg, feats, ctx_pos, x, start):
     return _rms(h, sd["norm.weight"])
 
 
-def test_block_forward_cache_equals_direct_and_is_non_causal():
+@pytest.mark.parametrize("fused", [False, True])
+def test_block_forward_cache_equals_direct_and_is_non_causal(fused):
+    """The block forward over the cached context equals the direct formula, also with the projections
+    fused for inference (``fuse_projections``: q/k/v, gate/up and every layer's context K/V in one GEMM
+    each), which the drafting worker does."""
     cfg = small_cfg()
     sd = random_state(cfg, 11)
     m = DFlashDrafter(cfg)
     m.load_state(sd)
+    if fused:
+        m.fuse_projections()
+        assert all(layer.self_attn.q_proj is None and layer.mlp.gate_proj is None for layer in m.layers)
+        with pytest.raises(RuntimeError, match="fused"):
+            m.state_for_save()
     g = torch.Generator().manual_seed(12)
     n_ctx = 7
     feats = torch.randn(n_ctx, len(LAYER_IDS) * D, generator=g)
