@@ -41,10 +41,11 @@ keeps the Markov head whole on every tensor-parallel rank (no collective per dra
 shards it (for comparison).
 
 A batch drafts in one block forward: the sequences' contexts are padded and masked, the base logits are
-one GEMM, the Markov loop runs over the batch. Under tensor parallelism the drafter runs on every rank
-(``DSparkDraftWorker``, attached to each rank's ``ModelRunner``): the block embedding uses the
-target's vocab-parallel embedding (one all-reduce) and the base logits its sharded lm_head (one gather)
-unless the drafter has its own pruned-vocabulary head (replicated, no gather).
+one GEMM, the Markov loop runs over the batch. The worker fuses the drafter's projections for inference
+(``DFlashDrafter.fuse_projections``: fewer, larger GEMMs, the same drafts). Under tensor parallelism the
+drafter runs on every rank (``DSparkDraftWorker``, attached to each rank's ``ModelRunner``): the block
+embedding uses the target's vocab-parallel embedding (one all-reduce) and the base logits its sharded
+lm_head (one gather) unless the drafter has its own pruned-vocabulary head (replicated, no gather).
 """
 
 from __future__ import annotations

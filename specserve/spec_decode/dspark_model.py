@@ -638,9 +638,10 @@ class DFlashAttention(nn.Module):
         layer no longer trains or saves."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         w = torch.cat([p.weight.data for p in projs])
-        self.qkv_proj = ReplicatedLinear(w.shape[1], w.shape[0], self.q_proj.bias is not None, dtype=w.dtype).to(w.device)
+        bias = self.q_proj.bias is not None
+        self.qkv_proj = ReplicatedLinear(w.shape[1], w.shape[0], bias, dtype=w.dtype).to(w.device)
         self.qkv_proj.weight.data = w
-        if self.q_proj.bias is not None:
+        if bias:
             self.qkv_proj.bias.data = torch.cat([p.bias.data for p in projs])
         self.qk_norm_weight = torch.cat([self.q_norm.weight.data.expand(self.H, self.D),
                                          self.k_norm.weight.data.expand(self.Hkv, self.D)])
@@ -849,7 +850,8 @@ class DFlashDrafter(nn.Module):
         self.ctx_kv_proj = ReplicatedLinear(w.shape[1], w.shape[0], has_bias, dtype=w.dtype).to(w.device)
         self.ctx_kv_proj.weight.data = w
         if has_bias:
-            self.ctx_kv_proj.bias.data = torch.cat([a.k_proj.bias.data for a in attn] + [a.v_proj.bias.data for a in attn])
+            self.ctx_kv_proj.bias.data = torch.cat([a.k_proj.bias.data for a in attn]
+                                                   + [a.v_proj.bias.data for a in attn])
         self.ctx_k_norm_weight = torch.cat([a.k_norm.weight.data.expand(a.Hkv, a.D) for a in attn])
         for layer in self.layers:
             layer.self_attn.fuse()
