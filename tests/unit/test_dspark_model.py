@@ -662,6 +662,44 @@ def test_block_forward_cache_equals_direct_and_is_non_causal(fused):
         cache.crop(n_ctx + 1)
 
 
+@pytest.mark.parametrize("attention_bias, packed", [(False, True), (True, False), (True, True)])
+def test_fused_projections_draft_as_unfused(attention_bias, packed):
+    """What the drafting worker runs (``fuse_projections``, then oneDNN packing on a CPU) drafts what the
+    drafter as loaded drafts: the same block hidden states (within float rounding), tokens and
+    confidences, with and without attention biases (which the fused GEMMs must carry)."""
+    from specserve.engine.model_runner import pack_linears
+    from specserve.layers.linear import mkldnn_packing_available
+
+    if packed and not mkldnn_packing_available(torch.float32):
+        pytest.skip("no oneDNN weight packing here")
+    cfg = small_cfg(attention_bias=attention_bias)
+    sd = random_state(cfg, 31)
+    plain, fused = DFlashDrafter(cfg), DFlashDrafter(cfg)
+    plain.load_state(sd)
+    fused.load_state(sd)
+    fused.fuse_projections()
+    if packed:
+        pack_linears(fused)
+    g = torch.Generator().manual_seed(32)
+    feats = torch.randn(9, len(LAYER_IDS) * D, generator=g)
+    caches = []
+    for m in (plain, fused):
+        c = m.new_cache(capacity=2)
+        c.extend(feats[:4], torch.arange(4))
+        c.extend(feats[4:], torch.arange(4, 9))
+        caches.append(c)
+    torch.testing.assert_close(caches[1].k[:, :, :9], caches[0].k[:, :, :9], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].v[:, :, :9], caches[0].v[:, :, :9], rtol=1e-5, atol=1e-5)
+    emb, Wt = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+    x = emb[torch.tensor([5] + [MASK] * (BLOCK - 1))]
+    torch.testing.assert_close(fused.forward_block_embeds(x, 9, caches[1]), plain.forward_block_embeds(x, 9, caches[0]),
+                               rtol=1e-5, atol=1e-5)
+    a = plain.propose(5, 9, caches[0], lambda i: emb[i], lambda h: h @ Wt.T)
+    b = fused.propose(5, 9, caches[1], lambda i: emb[i], lambda h: h @ Wt.T)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(b.confidences, a.confidences, rtol=1e-5, atol=1e-5)
+
+
 def test_forward_block_uses_target_embedding_and_layouts():
     for anchor_first in (True, False):
         cfg = small_cfg(sample_from_anchor=anchor_first)
