@@ -158,6 +158,17 @@ class ReplicatedLinear(LinearBase):
     def forward(self, x):
         return self._matmul(x, self.bias)
 
+    @classmethod
+    def stacked(cls, parts: list["ReplicatedLinear"]) -> "ReplicatedLinear":
+        """One linear whose output is the outputs of ``parts`` (same input size, all with or all without
+        a bias) side by side, in that order: one GEMM instead of several (call before ``pack``)."""
+        w = torch.cat([p.weight.data for p in parts])
+        out = cls(w.shape[1], w.shape[0], parts[0].bias is not None, dtype=w.dtype).to(w.device)
+        out.weight.data = w
+        if out.bias is not None:
+            out.bias.data = torch.cat([p.bias.data for p in parts])
+        return out
+
 
 class ColumnParallelLinear(LinearBase):
     """Y = X W^T with W split by output rows: each rank computes its slice of Y (no collective)."""

@@ -548,9 +548,10 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
     temps = [None] * B if temperatures is None else list(temperatures)
     is_greedy = [t is None or t < 1e-5 for t in temps]
-    greedy = torch.tensor(is_greedy, device=device).view(B, 1, 1)
-    scale = None if all(is_greedy) else torch.tensor([1.0 if gr else float(t) for gr, t in zip(is_greedy, temps)],
-                                                     device=device).view(B, 1, 1)
+    scale = greedy = None  # all rows greedy: no temperature division, no per-row choice of the factor
+    if not all(is_greedy):
+        scale = torch.tensor([1.0 if gr else float(t) for gr, t in zip(is_greedy, temps)], device=device).view(B, 1, 1)
+        greedy = torch.tensor(is_greedy, device=device).view(B, 1, 1)
     ctemps = confidence_temperature_list(confidence_temperatures, g)
     to_target = draft_target_ids(d2t, device)
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B, 1)
@@ -636,13 +637,7 @@ class DFlashAttention(nn.Module):
         rotation over all heads of q and k at once. Same math as the separate layers (each output is the
         same dot product; the norms are per head); the separate q/k/v weights are dropped, so a fused
         layer no longer trains or saves."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        w = torch.cat([p.weight.data for p in projs])
-        bias = self.q_proj.bias is not None
-        self.qkv_proj = ReplicatedLinear(w.shape[1], w.shape[0], bias, dtype=w.dtype).to(w.device)
-        self.qkv_proj.weight.data = w
-        if bias:
-            self.qkv_proj.bias.data = torch.cat([p.bias.data for p in projs])
+        self.qkv_proj = ReplicatedLinear.stacked([self.q_proj, self.k_proj, self.v_proj])
         self.qk_norm_weight = torch.cat([self.q_norm.weight.data.expand(self.H, self.D),
                                          self.k_norm.weight.data.expand(self.Hkv, self.D)])
         self.q_proj = self.k_proj = self.v_proj = None
@@ -686,9 +681,7 @@ class DFlashMLP(nn.Module):
 
     def fuse(self) -> None:
         """For inference: gate and up projections in one GEMM (the separate weights are dropped)."""
-        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
-        self.gate_up_proj = ReplicatedLinear(w.shape[1], w.shape[0], dtype=w.dtype).to(w.device)
-        self.gate_up_proj.weight.data = w
+        self.gate_up_proj = ReplicatedLinear.stacked([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
 
     def forward(self, x):
@@ -845,13 +838,7 @@ class DFlashDrafter(nn.Module):
         if self.ctx_kv_proj is not None:
             return
         attn = [layer.self_attn for layer in self.layers]
-        w = torch.cat([a.k_proj.weight.data for a in attn] + [a.v_proj.weight.data for a in attn])
-        has_bias = attn[0].k_proj.bias is not None
-        self.ctx_kv_proj = ReplicatedLinear(w.shape[1], w.shape[0], has_bias, dtype=w.dtype).to(w.device)
-        self.ctx_kv_proj.weight.data = w
-        if has_bias:
-            self.ctx_kv_proj.bias.data = torch.cat([a.k_proj.bias.data for a in attn]
-                                                   + [a.v_proj.bias.data for a in attn])
+        self.ctx_kv_proj = ReplicatedLinear.stacked([a.k_proj for a in attn] + [a.v_proj for a in attn])
         self.ctx_k_norm_weight = torch.cat([a.k_norm.weight.data.expand(a.Hkv, a.D) for a in attn])
         for layer in self.layers:
             layer.self_attn.fuse()
