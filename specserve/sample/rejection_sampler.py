@@ -28,11 +28,10 @@ token is sampled from ``p`` at position ``k_b``. A draft id that is negative or 
 as a token of probability 0 (always rejected) and never used as an index.
 
 Randomness: every random row draws, from its own ``sb.generators[b]``, ``k_b`` uniforms and then one
-``Exp(1)`` vector of length ``V`` (the exponential race ``argmax(r / E)`` samples the recovered or the
-bonus token; only one of the two is ever emitted, and whether a rejection happened depends on the
-uniforms only, so sharing ``E`` between them is exact). The amount drawn does not depend on the
-outcome or on the rest of the batch, so a seeded request gets the same tokens whatever it is batched
-with. Greedy rows draw nothing.
+more, with which the recovered or the bonus token is drawn by inverse CDF (only one of the two is ever
+emitted, and whether a rejection happened depends on the first ``k_b`` uniforms only, so sharing the
+last one between them is exact). The amount drawn does not depend on the outcome or on the rest of the
+batch, so a seeded request gets the same tokens whatever it is batched with. Greedy rows draw nothing.
 
 Output: int64 ``[B, max_k + 1]`` (``max_k + 1 = target_logits.shape[1]``) holding, per row, the
 accepted drafts followed by one recovered or bonus token, padded with ``PLACEHOLDER`` (-1).
@@ -42,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, filtered_logits
+from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, uniforms
 
 PLACEHOLDER = -1
 
@@ -109,7 +108,7 @@ def rejection_sample(
     p = filtered_logits(logits_r, sbr).softmax(-1).reshape(R, M1, V)
 
     d_r, valid_r, safe_r, chain_r, k_r = drafts[ridx], valid[ridx], safe[ridx], in_chain[ridx], k[ridx]
-    u, noise = _row_randomness([sb.generators[b] for b in rlist], [ks[b] for b in rlist], M, V, device)
+    u, v = _row_randomness([sb.generators[b] for b in rlist], [ks[b] for b in rlist], M, device)
     rows = torch.arange(R, device=device)
 
     if M > 0:
@@ -147,8 +146,7 @@ def rejection_sample(
         empty = ~(rec.sum(-1) > 0)  # also catches NaN
         rec = torch.where(empty.unsqueeze(-1), p_at, rec)
         dist = torch.where(rejected.unsqueeze(-1), rec, p_at)
-    score = torch.where(dist > 0, dist / noise, torch.full_like(dist, -1.0))
-    token = score.argmax(-1)
+    token = inverse_cdf(dist, v)
 
     out_r = torch.where(cols[:M].unsqueeze(0) < n_acc.unsqueeze(1), d_r, torch.full_like(d_r, PLACEHOLDER))
     out_r = torch.cat([out_r, torch.full((R, 1), PLACEHOLDER, dtype=torch.long, device=device)], 1)
@@ -169,16 +167,16 @@ def _greedy_rows(target_logits, drafts, in_chain, cols, out):
     return torch.where(cols.unsqueeze(0) <= n_acc.unsqueeze(1), am, out)
 
 
-def _row_randomness(gens: list[torch.Generator], ks: list[int], M: int, V: int, device):
-    """Per row: ``ks[r]`` uniforms (padded to ``[R, M]`` with 1.0) then one ``Exp(1)`` vector of length V.
+def _row_randomness(gens: list[torch.Generator], ks: list[int], M: int, device):
+    """Per row: ``ks[r]`` uniforms (padded to ``[R, M]`` with 1.0) then one more (``[R]``), float64.
 
-    Rows that share one generator object draw from it together (all their uniforms, then all their
-    noise vectors), so a pool of generators costs one call per generator, not per row. A generator
-    used by a single row draws exactly ``k`` uniforms then ``V`` exponentials. Draws happen on the
-    generator's own device and are copied to ``device``."""
+    Rows that share one generator object draw from it together (all their acceptance uniforms, then
+    one each for their draws), so a pool of generators costs two calls per generator, not per row. A
+    generator used by a single row draws exactly ``k + 1`` uniforms. Draws happen on the generator's
+    own device and are copied to ``device``."""
     R = len(gens)
-    u = torch.ones(R, M, device=device)
-    noise = torch.empty(R, V, device=device)
+    u = torch.ones(R, M, device=device, dtype=torch.float64)
+    v = torch.empty(R, device=device, dtype=torch.float64)
     groups: dict[int, list[int]] = {}
     for r, g in enumerate(gens):
         groups.setdefault(id(g), []).append(r)
@@ -186,20 +184,16 @@ def _row_randomness(gens: list[torch.Generator], ks: list[int], M: int, V: int, 
         g = gens[members[0]]
         if len(members) == 1:
             r = members[0]
-            if ks[r]:
-                u[r, : ks[r]] = torch.rand(ks[r], generator=g, device=g.device)
-            noise[r] = torch.empty(V, device=g.device).exponential_(generator=g)
+            draw = uniforms(ks[r] + 1, g, device)
+            u[r, : ks[r]] = draw[: ks[r]]
+            v[r] = draw[ks[r]]
             continue
         rows = [r for r in members for _ in range(ks[r])]
         if rows:
             pos = [j for r in members for j in range(ks[r])]
-            u[torch.tensor(rows, device=device), torch.tensor(pos, device=device)] = torch.rand(
-                len(rows), generator=g, device=g.device
-            ).to(device)
-        noise[torch.tensor(members, device=device)] = torch.empty(len(members), V, device=g.device).exponential_(
-            generator=g
-        ).to(device)
-    return u, noise
+            u[torch.tensor(rows, device=device), torch.tensor(pos, device=device)] = uniforms(len(rows), g, device)
+        v[torch.tensor(members, device=device)] = uniforms(len(members), g, device)
+    return u, v
 
 
 def accepted_counts(output: torch.Tensor) -> list[int]:

@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with one ``torch.Generator`` per request
 so that a seeded request samples the same tokens whatever else is in the batch.
 
-Sampling draws by the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` from the row's own
-generator: an exact sample of ``p`` with no host sync and no cumulative sums."""
+Every draw is by inverse CDF (:func:`inverse_cdf`): one uniform from the row's own generator and the
+first token whose running sum of probabilities exceeds it (scaled by the total), summed in float64.
+Exact, no host sync, and on a CPU ~20x cheaper than drawing a vector of ``V`` exponentials for the
+exponential race ``argmax(p / E)`` (~50 us against ~1 ms a row for 49,152 tokens)."""
 
 from __future__ import annotations
 
@@ -95,10 +97,27 @@ def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape_v: int, generators: list[torch.Generator], device="cpu") -> torch.Tensor:
-    """[N, V] of Exp(1), row i drawn from generators[i] (on the generator's own device)."""
-    rows = [torch.empty(shape_v, device=g.device).exponential_(generator=g) for g in generators]
-    return torch.stack(rows).to(device)
+def uniforms(n: int, generator: torch.Generator | None, device=None) -> torch.Tensor:
+    """``n`` float64 uniforms in [0, 1) from ``generator``, drawn on the generator's own device (a
+    request's generator is a CPU one) and moved to ``device`` (None: torch's default generator)."""
+    where = generator.device if generator is not None else device
+    u = torch.rand(n, generator=generator, device=where, dtype=torch.float64)
+    return u if device is None else u.to(device)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw from each row of ``probs`` [..., V] (non-negative, not necessarily normalised) with the
+    uniforms ``u`` [...] in [0, 1): the first index whose running sum exceeds ``u`` x the row's total.
+    The sums are float64, so every token's share of [0, 1) is its probability to ~1e-16 (a float32
+    running sum would round small probabilities to multiples of ~6e-8). Never a zero-probability index:
+    the first index whose sum exceeds a value, or reaches the total (``u`` x total rounding up to it),
+    is one where the sum rises. Returns long [...]."""
+    c = probs.cumsum(-1, dtype=torch.float64)
+    total = c[..., -1:]
+    x = (u.to(device=c.device, dtype=torch.float64).unsqueeze(-1) * total).contiguous()
+    i = torch.searchsorted(c, x, right=True)
+    last = torch.searchsorted(c, total.contiguous())
+    return torch.minimum(i, last).squeeze(-1)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -108,7 +127,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         return greedy_tokens
     rows = [i for i, g in enumerate(sb.greedy.tolist()) if not g]  # greedy rows draw no randomness
     probs = filtered_logits(logits[rows].float(), sb.subset(rows)).softmax(-1)
-    noise = exponential_noise(probs.shape[-1], [sb.generators[i] for i in rows], probs.device)
+    u = torch.cat([uniforms(1, sb.generators[i], probs.device) for i in rows])
     out = greedy_tokens.clone()
-    out[rows] = (probs / noise).argmax(-1)
+    out[rows] = inverse_cdf(probs, u)
     return out

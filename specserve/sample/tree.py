@@ -25,7 +25,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, filtered_logits
+from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, uniforms
 
 __all__ = ["TreeBuffers", "TreeCache", "verify_tree_greedy", "verify_tree_sample", "tree_tokens_from_candidates"]
 
@@ -241,11 +241,11 @@ def verify_tree_sample(
     given ``y``, and the residual after rejecting all children is ``p`` restricted to tokens that are
     not children, renormalised: the same as "draw ``y`` and stop if no child has it".
 
-    Randomness: ``D + 1`` vectors ``E_0 .. E_D`` of ``Exp(1)`` noise of length ``V`` (``D`` the tree's
-    depth) from ``generator`` (default ``sb_row.generators[0]``), a fixed amount whatever the outcome;
-    the draw at a node of depth ``d`` is the exponential race ``argmax(p(. | node) / E_d)``. A walk
-    visits each depth at most once, so its draws are independent. Greedy rows delegate to
-    :func:`verify_tree_greedy` and draw nothing.
+    Randomness: ``D + 1`` uniforms ``u_0 .. u_D`` (``D`` the tree's depth) from ``generator`` (default
+    ``sb_row.generators[0]``), a fixed amount whatever the outcome; the draw at a node of depth ``d`` is
+    the inverse-CDF draw of ``p(. | node)`` with ``u_d``. A walk visits each depth at most once, so its
+    draws are independent, and only the visited nodes' distributions are computed. Greedy rows delegate
+    to :func:`verify_tree_greedy` and draw nothing.
     """
     _check(tree_tokens, target_logits, buffers)
     if len(sb_row.params) != 1:
@@ -253,17 +253,14 @@ def verify_tree_sample(
     if bool(sb_row.greedy[0]):
         return verify_tree_greedy(tree_tokens, target_logits, buffers)
     g = generator if generator is not None else sb_row.generators[0]
-    N, V = target_logits.shape
-    # a 1-row batch's parameter tensors ([1]) broadcast over the N node rows
-    p = filtered_logits(target_logits.float(), sb_row).softmax(-1)
-    noise = torch.empty(buffers.max_depth + 1, V, device=g.device).exponential_(generator=g).to(p.device)
-    score = p / noise[buffers.depth.to(p.device)]
-    draws = torch.where(p > 0, score, torch.full_like(score, -1.0)).argmax(-1).tolist()  # y at every node
+    u = uniforms(buffers.max_depth + 1, g)
     toks = tree_tokens.tolist()
     node = 0
     accepted = [0]
     while True:
-        y = draws[node]
+        d = buffers._depth_list[node]
+        p = filtered_logits(target_logits[node : node + 1].float(), sb_row).softmax(-1)
+        y = int(inverse_cdf(p, u[d : d + 1]))
         nxt = next((c for c in buffers.children[node] if toks[c] == y), None)  # first child on duplicates
         if nxt is None:
             return accepted, y

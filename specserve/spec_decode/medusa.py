@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from specserve.layers.embed_head import ParallelLMHead
+from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
 from specserve.spec_decode.cost_model import (TREE_SIZES, AcceptanceCalibration, calibrated_lengths, calibrated_scores,
                                               choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
@@ -402,8 +403,7 @@ def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, t
         score.append(score[par] + float(logp[par, tokens[i]]))
         if ok[i] and (tree._depth_list[i], score[i]) > (tree._depth_list[best], score[best]):
             best = i
-    noise = torch.empty(p.shape[-1], device=generator.device).exponential_(generator=generator).to(p.device)
-    return tree.path_to(best), int((p[best] / noise).argmax())
+    return tree.path_to(best), int(inverse_cdf(p[best], uniforms(1, generator)[0]))
 
 
 def _full_lm_head_weight(target) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.sample.sampler import SamplingBatch, filtered_logits, sample
+from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, sample, uniforms
 
 
 def _batch(params, seed=0):
@@ -43,6 +43,38 @@ def test_min_p_and_distribution():
     sb = _batch([SamplingParams(temperature=1.0)] * 20000)
     counts = torch.bincount(sample(logits.expand(20000, 4), sb), minlength=4).float() / 20000
     assert (counts - torch.tensor([0.5, 0.3, 0.15, 0.05])).abs().max() < 0.015
+
+
+def test_inverse_cdf_draws_from_p_and_never_a_zero_token():
+    """Every draw (plain sampling, rejection sampling, trees, DSpark's sampled drafts) is one uniform and
+    a float64 running sum: frequencies match p (chi-square), a token with no mass is never drawn (also
+    when u x total rounds up to the total), the sums resolve a 1e-9 share next to 0.5 (a float32 sum
+    would give it no width), rows of a batch draw independently, the generator decides the draw."""
+    p = torch.zeros(50)
+    p[[3, 7, 8, 20, 41]] = torch.tensor([0.05, 0.4, 0.15, 0.3, 0.1])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    draws = inverse_cdf(p.expand(n, 50), uniforms(n, g))
+    assert draws.shape == (n,) and draws.dtype == torch.long
+    counts = torch.bincount(draws, minlength=50).double()
+    assert counts[p == 0].sum() == 0
+    expected = n * p.double()
+    chi2 = float(((counts - expected)[p > 0] ** 2 / expected[p > 0]).sum())
+    assert chi2 < 18.5  # 4 degrees of freedom, p-value 0.001
+    # unnormalised rows, one at a time (0-d) and in a batch: row i's draw depends on u_i only
+    one = [int(inverse_cdf(p * 3.0, torch.tensor(x, dtype=torch.float64))) for x in (0.0, 0.06, 0.5, 0.99)]
+    assert one == [3, 7, 8, 41]
+    rows = torch.stack([p, p.flip(0), p])
+    assert inverse_cdf(rows, torch.tensor([0.06, 0.06, 0.5])).tolist() == [7, 8, 8]
+    # u x total reaching the total: the last token with mass, not the zero tail after it nor past the end
+    assert int(inverse_cdf(p * 3.0, torch.tensor(1.0))) == 41
+    # float64 sums: a 1e-9 share right after 0.5 keeps its width
+    tiny = torch.tensor([0.5, 1e-9, 0.5])
+    assert int(inverse_cdf(tiny, torch.tensor(0.5 + 2.5e-10, dtype=torch.float64))) == 1
+    assert int(inverse_cdf(tiny, torch.tensor(0.5 + 2e-9, dtype=torch.float64))) == 2
+    a = [int(inverse_cdf(p, uniforms(1, torch.Generator().manual_seed(s))[0])) for s in range(20)]
+    assert a == [int(inverse_cdf(p, uniforms(1, torch.Generator().manual_seed(s))[0])) for s in range(20)]
+    assert len(set(a)) > 1
 
 
 def test_seeded_request_same_output_in_any_batch(tiny_llama):
