@@ -226,6 +226,12 @@ class SpeculativeConfig:
         return kw
 
 
+# "auto": a GGUF runs in its own quantization (``gguf``), an HF directory unquantized; None / "none":
+# dense weights (a GGUF dequantized at load); "int8": every weight int8 per output channel; "int4":
+# linears int4 in groups of 32, embedding / LM head int8 per output channel (``layers.quant``)
+QUANTIZATIONS = ("auto", None, "none", "gguf", "int8", "int4")
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs. max_num_seqs: sequences decoded together (>= 1). max_model_len: prompt +
@@ -233,6 +239,7 @@ class EngineConfig:
     tokens per prefill forward (>= 16)."""
 
     dtype: str = "auto"
+    quantization: str | None = "auto"
     tensor_parallel_size: int = 1
     max_num_seqs: int = 16
     max_model_len: int | None = None
@@ -250,3 +257,6 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")

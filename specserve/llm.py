@@ -14,7 +14,10 @@ class LLM:
     """An engine over one model.
 
     model: None (the embedded default model, SmolLM2-135M-Instruct), an HF directory or a .gguf file.
-    dtype: "auto" (bfloat16 on GPUs, float32 on CPUs: see ``resolve_dtype``), "float32", "bfloat16".
+    dtype: "auto" (bfloat16 on GPUs and for quantized weights, else float32: see ``resolve_dtype``),
+        "float32", "bfloat16".
+    quantization: "auto" (a GGUF in its own quantization, an HF directory unquantized), None (dense),
+        "gguf", "int8" or "int4" (weight-only, quantized at load: ``specserve.layers.quant``).
     tensor_parallel_size: processes the model is sharded over (gloo on CPU).
     device: "auto" (a CUDA GPU when torch sees one and tensor_parallel_size is 1, else the CPU;
         ``$SPECSERVE_DEVICE`` overrides), "cpu", "cuda" or "cuda:N".
@@ -23,8 +26,9 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
                  speculative_config: dict | None = None, seed: int = 0, max_num_seqs: int = 16,
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, quantization: str | None = "auto"):
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
+                           quantization=quantization,
                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
                            prefill_chunk=prefill_chunk)

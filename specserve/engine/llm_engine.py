@@ -48,9 +48,10 @@ class LLMEngine:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
             self.runner = TPRunner(self.model_dir, cfg.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs,
-                                   cfg.num_threads)
+                                   cfg.num_threads, cfg.quantization)
         else:
-            self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs)
+            self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs,
+                                      quantization=cfg.quantization)
         self.model_config = self.runner.config
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

@@ -22,9 +22,11 @@ from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import Attention, ForwardContext
+from specserve.layers.embed_head import VocabParallelEmbedding
 from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
+from specserve.layers.quant import PendingQuant, QuantTensor, quantize, rows_invariant
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.loader import iter_safetensors, load_weights, read_config
+from specserve.models.loader import gguf_source, iter_weights, load_weights, read_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -69,6 +71,69 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
+def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device: str = "cpu") -> str | None:
+    """``auto``: a GGUF's own quantization (``gguf``) on CPU unless float32 is asked for, else None
+    (dense). ``gguf`` needs a GGUF; any quantization runs on CPU only (torch's weight-only kernels)."""
+    q = None if quantization in (None, "none") else quantization
+    if q not in (None, "auto", "gguf", "int8", "int4"):
+        raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {quantization!r}")
+    if q == "auto":
+        wants_fp32 = dtype in ("float32", "fp32", torch.float32)
+        return "gguf" if is_gguf and device == "cpu" and not wants_fp32 else None
+    if q == "gguf" and not is_gguf:
+        raise ValueError("quantization='gguf' needs a .gguf model (an HF directory takes int8 or int4)")
+    if q and device != "cpu":
+        raise ValueError(f"quantization={q!r} runs on the CPU only; on {device} use quantization=None")
+    return q
+
+
+def _weight_modules(model: torch.nn.Module):
+    """(module, its weight parameter) for every linear, LM head and embedding of ``model``."""
+    for m in model.modules():
+        if isinstance(m, (PackedGEMM, VocabParallelEmbedding)):
+            yield m, m.weight
+
+
+def expect_quantized(model: torch.nn.Module) -> None:
+    """Let every linear, LM head and embedding weight of ``model`` take quantized checkpoint tensors
+    (``QuantTensor``) through its own weight loader (``PendingQuant``); ``finish_quantized`` after."""
+    for m, p in _weight_modules(model):
+        if getattr(p, "pending", None) is None:
+            pending = p.pending = PendingQuant(tuple(p.shape), type(m).__name__)
+            loader = p.weight_loader
+
+            def load(param, loaded, shard_id=None, loader=loader, pending=pending):
+                if not isinstance(loaded, QuantTensor):  # a float matrix: 8 bits in groups of 32
+                    loaded = quantize(loaded, 8, 32, "float->int8-g32")
+                loader(pending, loaded, shard_id)
+
+            p.weight_loader = load
+            p.data = torch.empty(0, dtype=p.dtype)
+
+
+def finish_quantized(model: torch.nn.Module) -> None:
+    """Assemble each weight's loaded parts (``expect_quantized``) into the modules' ``quant``."""
+    done = {}
+    for m, p in _weight_modules(model):
+        if id(p) not in done:
+            done[id(p)] = p.pending.finish()
+        m.quant = done[id(p)]
+
+
+def quantize_weights(model: torch.nn.Module, scheme: str) -> None:
+    """Quantize the loaded float weights of ``model`` (``quant`` on each module, the float weight
+    freed): ``int8``: every weight int8 per output channel; ``int4``: the linears int4 in groups of 32,
+    the embedding and LM head int8 per output channel."""
+    done = {}
+    for m, p in _weight_modules(model):
+        if id(p) not in done:
+            table = isinstance(m, VocabParallelEmbedding)
+            done[id(p)] = quantize(p.data, 4, 32) if scheme == "int4" and not table else quantize(p.data, 8)
+        m.quant = done[id(p)]
+    for _, p in _weight_modules(model):
+        p.data = torch.empty(0, dtype=p.dtype)
+
+
 def pack_linears(module: torch.nn.Module) -> None:
     """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
     costs little more than one token's (call after the weights are loaded)."""
@@ -93,7 +158,16 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
     float64 attention ~5% of a decoding step."""
     probed: dict[tuple, bool] = {}
     for m in module.modules():
-        if isinstance(m, PackedGEMM):
+        if isinstance(m, PackedGEMM) and m.qkernel is not None:
+            # weight-only kernels never split the input dimension: rows are exact at any count (probed
+            # once per kernel kind and shape); were a kernel not, its rows would run one at a time
+            k = m.qkernel
+            key = (k.kind, k.per_channel, k.twice, k.out_features, k.in_features, m.bias is not None)
+            if key not in probed:
+                probed[key] = rows_invariant(lambda x: m.dense_matmul(x, m.bias), k.in_features)
+            if not probed[key]:
+                m.row_block, m.pad_lone_row = 1, False
+        elif isinstance(m, PackedGEMM):
             m.row_block = row_block
             m.pad_lone_row = _lone_row_differs(m, probed)
         elif isinstance(m, Attention):
@@ -121,23 +195,32 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, quantization: str | None = "auto"):
         model_dir = Path(model_dir)
         self.model_dir = model_dir
         self.tp = tp or TPGroup()
         self.device = device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, device)
+        self.quantization = resolve_quantization(quantization, dtype, gguf_source(model_dir) is not None, device)
+        self.dtype = resolve_dtype("bfloat16" if self.quantization and dtype == "auto" else dtype, device)
         self.config: ModelConfig = read_config(model_dir)
         with torch.device("cpu"):
             model = LlamaForCausalLM(self.config, self.tp, self.dtype)
-        load_weights(model, iter_safetensors(model_dir))
+        if self.quantization == "gguf":  # the file's own quantized blocks, never a float copy
+            expect_quantized(model)
+            load_weights(model, iter_weights(model_dir, keep_quantized=True))
+            finish_quantized(model)
+        else:
+            load_weights(model, iter_weights(model_dir))
+            if self.quantization:
+                quantize_weights(model, self.quantization)
         self.model = model.to(device).eval()
         self.packed = device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype)
-        if self.packed:
+        if self.packed or self.quantization:
             pack_linears(self.model)
-        # bfloat16 on CPU: verification reproduces one-token decoding bit for bit (float32 needs no
-        # help: its row differences, ~5e-5 in the logits, do not move greedy tokens in practice)
-        self.batch_invariant = self.packed and self.dtype != torch.float32
+        # bfloat16 on CPU and quantized weights: verification reproduces one-token decoding bit for bit
+        # (float32 needs no help: its row differences, ~5e-5 in the logits, do not move greedy tokens
+        # in practice)
+        self.batch_invariant = (self.packed and self.dtype != torch.float32) or bool(self.quantization)
         if self.batch_invariant:
             make_batch_invariant(self.model)
         cfg = self.config
@@ -234,11 +317,11 @@ class ModelRunner:
 _REPLYING = ("collective_counts", "helper_report")  # calls whose worker results go back to the driver
 
 
-def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn):
+def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn, quantization="auto"):
     torch.set_num_threads(threads)
     try:
         tp = init_tp_group(rank, size, init_method)
-        runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs)
+        runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs, quantization=quantization)
         conn.send(("ready", None))
     except BaseException as e:  # report, do not hang the driver
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -264,7 +347,8 @@ def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, thread
 class TPRunner:
     """Driver side of a ``tensor_parallel_size`` > 1 run: rank 0 lives here, ranks 1.. in processes."""
 
-    def __init__(self, model_dir, size: int, dtype="auto", max_num_seqs=16, num_threads=None):
+    def __init__(self, model_dir, size: int, dtype="auto", max_num_seqs=16, num_threads=None,
+                 quantization: str | None = "auto"):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -274,13 +358,15 @@ class TPRunner:
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, daemon=True,
-                            args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child))
+                            args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child,
+                                  quantization))
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
         torch.set_num_threads(threads)
         try:
-            self.local = ModelRunner(model_dir, init_tp_group(0, size, init_method), dtype, "cpu", max_num_seqs)
+            self.local = ModelRunner(model_dir, init_tp_group(0, size, init_method), dtype, "cpu", max_num_seqs,
+                                     quantization=quantization)
             for c, p in zip(self.conns, self.procs):
                 if not c.poll(600):
                     raise RuntimeError("a tensor-parallel worker did not start within 600 s")
@@ -294,7 +380,7 @@ class TPRunner:
         self.device = self.local.device  # "cpu": the ranks are gloo processes
         self.max_num_seqs = max_num_seqs
         self.model_dir = self.local.model_dir
-        self.packed = self.local.packed
+        self.packed, self.quantization = self.local.packed, self.local.quantization
 
     def _call(self, name, *args, **kwargs):
         for c in self.conns:

@@ -32,13 +32,27 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
 
+    quant = None  # the table as a ``QuantTensor`` (weight-only quantization): rows dequantized on lookup
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embedding(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(inside, ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local) * inside.unsqueeze(-1).to(self.weight.dtype)
         return self.tp.all_reduce(out)
+
+    def dense_rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's table (or its ``rows``) as a float tensor in the layer's dtype, quantized or not."""
+        if self.quant is not None:
+            q = self.quant if rows is None else self.quant[rows]
+            return q.dequantize(self.weight.dtype)
+        return self.weight.detach() if rows is None else self.weight.detach()[rows]
 
 
 class ParallelLMHead(PackedGEMM, VocabParallelEmbedding):
@@ -57,13 +71,16 @@ class ParallelLMHead(PackedGEMM, VocabParallelEmbedding):
         param.data[: self.vocab_end - self.vocab_start].copy_(loaded[self.vocab_start : self.vocab_end])
 
     def pack(self, batch_hint: int = 16) -> None:
-        """The oneDNN copy of the weight (CPU); the dense weight stays (a tied embedding reads it)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
+        """The oneDNN copy of the weight (CPU), or the kernel of a quantized one; the weight stays (a
+        tied embedding reads it)."""
+        if not self.pack_quant():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, batch_hint)
 
     def tie_to(self, embed: VocabParallelEmbedding) -> None:
         if embed.tp_size != self.tp_size or embed.per_partition != self.per_partition:
             raise ValueError("tied embedding and LM head must be sharded the same way")
         self.weight = embed.weight
+        self.tied_to = embed  # a quantized table is set on both (``model_runner.quantize_weights``)
 
     def forward(self, *_):
         raise RuntimeError("use LogitsProcessor(head, hidden_states)")

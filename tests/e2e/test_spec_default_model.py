@@ -91,7 +91,7 @@ def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extr
 
 @pytest.fixture(scope="module")
 def default_llm_bf16():
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype="bfloat16", quantization=None)
     yield llm
     llm.shutdown()
 
@@ -109,9 +109,46 @@ def test_bfloat16_greedy_identical_to_plain(default_llm_bf16, spec):
     chain or a tree gives plain bfloat16 decoding's tokens, near ties included."""
     params = SamplingParams(temperature=0, max_tokens=40)
     plain = default_llm_bf16.chat(CHATS, params, use_tqdm=False)
-    llm = LLM(dtype="bfloat16", speculative_config=spec)
+    llm = LLM(dtype="bfloat16", quantization=None, speculative_config=spec)
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def default_llm_quantized():
+    llm = LLM()  # the default: the GGUF's own Q4_1 / Q8_0 weights through the weight-only kernels
+    assert llm.engine.runner.quantization == "gguf" and llm.engine.runner.batch_invariant
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
+    {"method": "medusa"},
+    {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL},
+    {"method": "dflash"},
+    {"method": "dspark", "dspark_verify": "auto"},
+    {"method": "dspark", "dspark_tree": "auto", **POOL},
+])
+def test_quantized_greedy_identical_to_plain(default_llm_quantized, spec):
+    """On the quantized default model (the GGUF's own blocks), every drafter's greedy output is plain
+    decoding's with the same weights, token for token, for a batch of chats of different lengths."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = default_llm_quantized.chat(CHATS, params, use_tqdm=False)
+    llm = LLM(speculative_config=spec)
+    out = llm.chat(CHATS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, plain, out):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    llm.shutdown()
+
+
+def test_quantized_alone_equals_batched(default_llm_quantized):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    batched = default_llm_quantized.chat(CHATS[:4], params, use_tqdm=False)
+    for chat, b in zip(CHATS[:4], batched):
+        alone = default_llm_quantized.chat(chat, params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == b.outputs[0].token_ids

@@ -1,0 +1,277 @@
+"""Weight-only quantized weights on CPU: a ``QuantTensor`` holds integer codes with a scale and an
+offset per group of input columns (w = code * scale + offset), as GGUF's Q4_0 / Q4_1 / Q8_0 blocks
+do and as ``quantize`` makes from float weights; ``QuantKernel`` runs ``x W^T`` through torch's
+weight-only kernels (bfloat16 activations):
+
+- 4-bit codes (0..15) in groups of 32..256: ``_weight_int4pack_mm_for_cpu``, which computes
+  ``sum_k x[k] * ((c[k] - 8) * S0 + S1)`` with the scale S0 and the additive zero S1 in bfloat16:
+  S0 = scale, S1 = offset + 8 * scale;
+- 8-bit codes in groups (Q8_0): the same kernel over two 4-bit halves of each code, c = 16 * hi + lo
+  (hi = c >> 4 in -8..7, lo = c & 15), stacked along the input (the input fed twice): the hi half with
+  scale 16 * scale and zero 0, the lo half with scale ``scale`` and zero 8 * scale + offset; exact up
+  to the bfloat16 rounding of the scale;
+- 8-bit codes per output channel (one group per row, no offset): ``_weight_int8pack_mm``.
+
+Each kernel gives a row of ``x`` the same bits whatever other rows travel with it (they split the
+work over output columns and row blocks, never over the input dimension); ``rows_invariant`` probes
+that at load time, so that verifying k tokens reproduces k one-token steps bit for bit.
+
+A ``PendingQuant`` stands in for a layer's weight while a checkpoint's quantized tensors are loaded
+through the layers' own ``weight_loader``s (which take shards by ``narrow`` and ``copy_``); ``finish``
+assembles the shards into one ``QuantTensor``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("specserve")
+
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
+
+
+@dataclass
+class QuantTensor:
+    """A [N, K] weight as ``codes`` [N, K] (uint8 0..15 for 4 bits, int8 for 8 bits), ``scale`` and
+    ``offset`` [N, K // group] float32 (``offset`` None: zero): w = codes * scale + offset, group by
+    group along K. ``kind`` names where it came from (a GGUF type or the quantization asked for)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+    bits: int
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def data(self) -> "QuantTensor":  # the weight loaders read ``tensor.data`` of a parameter
+        return self
+
+    @property
+    def format(self) -> tuple:
+        return (self.bits, self.group, self.offset is not None)
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantTensor":
+        if dim == 0:
+            return self._rows(slice(start, start + length))
+        if start % self.group or length % self.group:
+            raise ValueError(f"a {self.kind} weight splits along its input only at multiples of {self.group} "
+                             f"columns (asked for {length} columns from {start})")
+        g0, gn = start // self.group, length // self.group
+        return QuantTensor(self.codes.narrow(1, start, length), self.scale.narrow(1, g0, gn),
+                           None if self.offset is None else self.offset.narrow(1, g0, gn), self.group, self.bits,
+                           self.kind)
+
+    def __getitem__(self, rows) -> "QuantTensor":
+        return self._rows(rows)
+
+    def _rows(self, rows) -> "QuantTensor":
+        return QuantTensor(self.codes[rows], self.scale[rows], None if self.offset is None else self.offset[rows],
+                           self.group, self.bits, self.kind)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The float weight [N, K] (computed in float32: exact for GGUF's float16 scales)."""
+        N, K = self.shape
+        w = self.codes.float().view(N, K // self.group, self.group) * self.scale.unsqueeze(-1)
+        if self.offset is not None:
+            w = w + self.offset.unsqueeze(-1)
+        return w.view(N, K).to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dequantized: an embedding lookup, [*ids.shape, K]."""
+        flat = ids.reshape(-1)
+        return self._rows(flat).dequantize(dtype).view(*ids.shape, self.shape[1])
+
+    def nbytes(self) -> int:
+        """Bytes of the weight as a kernel holds it (codes at their bit width, scales and offsets)."""
+        N, K = self.shape
+        per_group = 2 if self.offset is not None else 1
+        return N * K * self.bits // 8 + N * (K // self.group) * per_group * 2
+
+    @staticmethod
+    def cat(parts: list["QuantTensor"]) -> "QuantTensor":
+        """Row-wise concatenation of tensors of one format."""
+        if len({p.format for p in parts}) != 1:
+            raise ValueError("cannot stack quantized weights of different formats")
+        p0 = parts[0]
+        return QuantTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                           None if p0.offset is None else torch.cat([p.offset for p in parts]), p0.group, p0.bits,
+                           p0.kind if len({p.kind for p in parts}) == 1 else "mixed")
+
+
+def quantize(w: torch.Tensor, bits: int, group: int | None = None, kind: str | None = None) -> QuantTensor:
+    """``w`` [N, K] (float) -> ``QuantTensor``. 4 bits: asymmetric in groups of ``group`` (default 32;
+    min..max of each group over codes 0..15). 8 bits: symmetric, codes -127..127, per output channel
+    (``group`` None or K) or in groups of ``group``."""
+    w = w.detach().float()
+    N, K = w.shape
+    if bits == 4:
+        group = group or 32
+        g = w.view(N, K // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        codes = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        return QuantTensor(codes.view(N, K), scale, lo, group, 4, kind or f"int4-g{group}")
+    if bits == 8:
+        group = group or K
+        g = w.view(N, K // group, group)
+        scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+        codes = (g / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return QuantTensor(codes.view(N, K), scale, None, group, 8,
+                           kind or ("int8" if group == K else f"int8-g{group}"))
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def check_kernel_shape(qt: QuantTensor, name: str = "weight") -> None:
+    """A clear error where no kernel takes ``qt`` (input size and group size)."""
+    N, K = qt.shape
+    if qt.bits == 8 and qt.group == K and qt.offset is None:
+        if K % 16:
+            raise ValueError(f"{name}: an int8 per-channel weight needs a multiple of 16 inputs, has {K}")
+    elif qt.group not in INT4_GROUPS or K % qt.group:
+        raise ValueError(f"{name}: a {qt.kind} weight needs groups of {INT4_GROUPS} columns, has {qt.group}")
+
+
+class QuantKernel:
+    """``x W^T (+ bias)`` for a ``QuantTensor`` W (see the module docstring): x [..., K] in any float
+    dtype, computed in bfloat16, returned in x's dtype."""
+
+    def __init__(self, qt: QuantTensor):
+        check_kernel_shape(qt)
+        self.out_features, self.in_features = qt.shape
+        self.kind = qt.kind
+        if qt.shape[0] % 16:  # the kernels take a multiple of 16 output rows: zero rows, sliced off
+            qt = QuantTensor.cat([qt, _zeros(qt, -qt.shape[0] % 16)])
+        self.per_channel = qt.bits == 8 and qt.group == qt.shape[1] and qt.offset is None
+        self.twice = False  # 8-bit codes through the 4-bit kernel: the input is fed twice
+        if self.per_channel:
+            self.weight = qt.codes.to(torch.int8).contiguous()
+            self.scales = qt.scale.view(-1).to(torch.bfloat16).contiguous()
+            return
+        offset = qt.offset if qt.offset is not None else torch.zeros_like(qt.scale)
+        if qt.bits == 4:
+            codes, scale, zero = qt.codes.to(torch.int32), qt.scale, offset + 8 * qt.scale
+        else:  # two 4-bit halves: hi (scale 16 s, zero 0) then lo (scale s, zero 8 s + offset)
+            c = qt.codes.to(torch.int32)
+            codes = torch.cat([(c >> 4) + 8, c & 15], dim=1)
+            scale = torch.cat([16 * qt.scale, qt.scale], dim=1)
+            zero = torch.cat([torch.zeros_like(offset), offset + 8 * qt.scale], dim=1)
+            self.twice = True
+        self.group = qt.group
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        self.scales = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
+
+    def mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """[M, K] bfloat16, contiguous -> [M, N] bfloat16."""
+        if self.per_channel:
+            return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        if self.twice:
+            x2 = torch.cat([x2, x2], dim=1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = self.mm(x2)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+
+
+@torch.inference_mode()
+def rows_invariant(fn, in_features: int, dtype=torch.bfloat16, counts=(2, 3, 5, 8, 17, 33, 64)) -> bool:
+    """Whether the row-wise ``fn`` gives every row the same bits alone as among ``counts`` rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(counts), in_features, generator=g).to(dtype)
+    alone = torch.cat([fn(x[i : i + 1]) for i in range(max(counts))])
+    return all(torch.equal(fn(x[:m]), alone[:m]) for m in counts)
+
+
+class PendingQuant:
+    """A layer's weight [N, K] while quantized checkpoint tensors are loaded into it: the weight
+    loaders' ``narrow(0, ...)`` / ``[a:b]`` + ``copy_`` record which rows each ``QuantTensor`` fills;
+    ``finish`` assembles them (rows never written: zero, as the padded rows of a vocabulary shard)."""
+
+    def __init__(self, shape: tuple[int, int], name: str = "weight"):
+        self.shape = tuple(shape)
+        self.name = name
+        self.parts: list[tuple[int, QuantTensor]] = []
+
+    @property
+    def data(self) -> "PendingQuant":
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> "_Rows":
+        if dim != 0:
+            raise ValueError(f"{self.name}: a quantized weight is filled by whole rows")
+        return _Rows(self, start, length)
+
+    def __getitem__(self, rows: slice) -> "_Rows":
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError(f"{self.name}: rows must be contiguous")
+        return _Rows(self, start, stop - start)
+
+    def zero_(self) -> "PendingQuant":
+        return self
+
+    def copy_(self, src) -> None:
+        _Rows(self, 0, self.shape[0]).copy_(src)
+
+    def finish(self) -> QuantTensor:
+        N, K = self.shape
+        if not self.parts:
+            raise ValueError(f"{self.name}: no quantized tensor was loaded")
+        parts = sorted(self.parts, key=lambda p: p[0])
+        formats = {p.format for _, p in parts}
+        if len(formats) > 1:  # e.g. q/k/v of different GGUF types: one common format (8 bits, groups of 32)
+            log.warning("%s: parts of different formats (%s) re-quantized to 8 bits in groups of 32", self.name,
+                        ", ".join(sorted({p.kind for _, p in parts})))
+            parts = [(r, quantize(p.dequantize(), 8, 32, "int8-g32")) for r, p in parts]
+        rows, filled = [], 0
+        for r0, p in parts:
+            if r0 > filled:  # a gap: zero rows
+                rows.append(_zeros(p, r0 - filled))
+            rows.append(p)
+            filled = r0 + p.shape[0]
+        if filled < N:
+            rows.append(_zeros(parts[-1][1], N - filled))
+        out = QuantTensor.cat(rows) if len(rows) > 1 else rows[0]
+        if out.shape != (N, K):
+            raise ValueError(f"{self.name}: quantized parts make {out.shape}, expected {(N, K)}")
+        return out
+
+
+def _zeros(like: QuantTensor, n: int) -> QuantTensor:
+    K = like.shape[1]
+    codes = torch.full((n, K), 8 if like.bits == 4 else 0, dtype=like.codes.dtype)
+    scale = torch.zeros(n, K // like.group)
+    return QuantTensor(codes, scale, None if like.offset is None else torch.zeros_like(scale), like.group,
+                       like.bits, like.kind)
+
+
+class _Rows:
+    def __init__(self, pending: PendingQuant, start: int, length: int):
+        self.pending, self.start, self.length = pending, start, length
+        self.shape = (length, pending.shape[1])
+
+    def copy_(self, src) -> None:
+        if not isinstance(src, QuantTensor):
+            raise TypeError(f"{self.pending.name}: expected a quantized tensor, got {type(src).__name__}")
+        if src.shape != self.shape:
+            raise ValueError(f"{self.pending.name}: rows of shape {self.shape}, got {src.shape}")
+        self.pending.parts.append((self.start, src))

@@ -1,0 +1,189 @@
+"""Weight-only quantization: the kernels against their dequantized float reference at 1..64 rows and
+their row-count invariance, GGUF Q4_0 / Q4_1 / Q8_0 blocks unpacked and packed, quantized models
+(quantized at load) decoding speculatively token for token as they decode plainly, at temperature 0
+and in distribution at temperature > 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.model_runner import ModelRunner, resolve_quantization
+from specserve.layers.quant import PendingQuant, QuantKernel, QuantTensor, quantize, rows_invariant
+from specserve.models.gguf import GGUF_BLOCKS, pack_blocks, unpack_blocks
+
+ROWS = (1, 2, 3, 4, 8, 16, 17, 32, 64)
+KINDS = {  # name: (bits, group)
+    "int4-g32": (4, 32),
+    "int4-g64": (4, 64),
+    "int8-per-channel": (8, None),
+    "int8-g32 (Q8_0 layout)": (8, 32),
+}
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def kernel_reference(qt: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: the weight rebuilt from the bfloat16 scales and zeros it
+    holds (``QuantKernel``), times x; the kernel then rounds each output once to bfloat16."""
+    N, K = qt.shape
+    c = qt.codes.double().view(N, K // qt.group, qt.group)
+    off = qt.offset if qt.offset is not None else torch.zeros_like(qt.scale)
+    if qt.bits == 4:
+        w = (c - 8) * _bf16(qt.scale).double().unsqueeze(-1) + _bf16(off + 8 * qt.scale).double().unsqueeze(-1)
+    elif qt.group == K:
+        w = c * _bf16(qt.scale).double().unsqueeze(-1)
+    else:
+        hi, lo = torch.div(c, 16, rounding_mode="floor"), torch.remainder(c, 16)
+        s = _bf16(qt.scale).double().unsqueeze(-1)
+        w = hi * 16 * s + (lo - 8) * s + _bf16(off + 8 * qt.scale).double().unsqueeze(-1)
+    return x.double() @ w.view(N, K).t()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("shape", [(96, 64), (200, 128)])  # 200: not a multiple of 16 (zero-row padding)
+def test_kernel_matches_dequantized_reference(kind, shape):
+    bits, group = KINDS[kind]
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(*shape, generator=g) * 0.1
+    qt = quantize(w, bits, group)
+    assert (qt.dequantize() - w).abs().max() <= qt.scale.max() * (0.51 if bits == 8 else 0.51)
+    k = QuantKernel(qt)
+    for m in ROWS:
+        x = torch.randn(m, shape[1], generator=g).to(torch.bfloat16)
+        y = k(x)
+        assert y.shape == (m, shape[0]) and y.dtype == torch.bfloat16
+        ref = kernel_reference(qt, x)
+        # one bfloat16 rounding of the output (2^-8 relative) plus float32 accumulation
+        tol = ref.abs() * 2.0**-8 + 1e-4 * (x.double().abs() @ qt.dequantize().double().abs().t())
+        assert ((y.double() - ref).abs() <= tol).all(), (kind, m)
+        # float32 activations give the same values (computed in bfloat16), returned in float32
+        assert torch.equal(k(x.float()), y.float())
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kernels_are_row_count_invariant(kind):
+    bits, group = KINDS[kind]
+    k = QuantKernel(quantize(torch.randn(192, 128) * 0.1, bits, group))
+    assert rows_invariant(k, 128)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    full = k(x)
+    for m in (1, 5, 33):
+        assert torch.equal(k(x[:m]), full[:m])
+
+
+def test_rows_invariant_detects_a_row_count_dependent_kernel():
+    assert not rows_invariant(lambda x: x * (1 + 1e-2 * x.shape[0]), 32)
+    assert rows_invariant(lambda x: x * 3, 32)
+
+
+@pytest.mark.parametrize("kind", list(GGUF_BLOCKS))
+def test_gguf_blocks_unpack_and_pack(kind):
+    """Q4_0 / Q4_1 / Q8_0 bytes made by gguf-py's own quantizer: unpacked codes and scales give
+    gguf-py's dequantization exactly, and pack back to the same bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw = gguf_quantize(w, qtype)
+    qt = unpack_blocks(raw, kind, [48, 96], "synthetic")
+    assert qt.kind == kind and qt.shape == (48, 96) and qt.bits == (8 if kind == "Q8_0" else 4)
+    assert torch.equal(qt.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(48, 96)))
+    assert np.array_equal(pack_blocks(qt), raw)
+    # nibble order: byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high)
+    if kind != "Q8_0":
+        first = raw.reshape(48, 3, GGUF_BLOCKS[kind])[0, 0, GGUF_BLOCKS[kind] - 16]
+        assert qt.codes[0, 0] == first & 15 and qt.codes[0, 16] == first >> 4
+    with pytest.raises(ValueError, match="truncated"):
+        unpack_blocks(raw[:, :-2], kind, [48, 96], "synthetic")
+
+
+def test_pending_quant_assembles_shards_and_mixed_formats():
+    a, b = quantize(torch.randn(32, 64), 4), quantize(torch.randn(16, 64), 4)
+    p = PendingQuant((64, 64), "qkv")
+    p.narrow(0, 32, 16).copy_(b)
+    p.data[0:32].copy_(a)
+    out = p.finish()
+    assert out.shape == (64, 64)
+    assert torch.equal(out.dequantize()[:32], a.dequantize()) and torch.equal(out.dequantize()[32:48], b.dequantize())
+    assert (out.dequantize()[48:] == 0).all()  # rows never written: zero
+    mixed = PendingQuant((48, 64), "qkv")
+    mixed.narrow(0, 0, 32).copy_(a)
+    c = quantize(torch.randn(16, 64), 8, 32)
+    mixed.narrow(0, 32, 16).copy_(c)
+    m = mixed.finish()
+    assert m.format == (8, 32, False)
+    assert torch.allclose(m.dequantize()[32:], c.dequantize(), atol=c.scale.max().item())
+    with pytest.raises(ValueError, match="shape"):
+        PendingQuant((8, 64)).narrow(0, 0, 8).copy_(a)
+
+
+def test_quantization_argument():
+    assert resolve_quantization("auto", "auto", True) == "gguf"
+    assert resolve_quantization("auto", "float32", True) is None  # float32 asked for: dense
+    assert resolve_quantization("auto", "auto", False) is None
+    assert resolve_quantization("none", "auto", True) is None
+    assert resolve_quantization("int4", "auto", False) == "int4"
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        resolve_quantization("gguf", "auto", False)
+    with pytest.raises(ValueError, match="quantization must be"):
+        resolve_quantization("q3", "auto", False)
+    with pytest.raises(ValueError, match="quantization must be"):
+        LLM(quantization="fp4")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_model_close_to_float_and_small(tiny_llama, scheme):
+    """Quantized at load: logits near the float model's, no float weight kept, activations bfloat16."""
+    dense = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1, quantization=None)
+    q = ModelRunner(tiny_llama, max_num_seqs=1, quantization=scheme)
+    assert q.quantization == scheme and q.dtype == torch.bfloat16 and q.batch_invariant
+    ids = list(range(3, 40))
+    a = dense.forward(0, [ids], [0], "all").logits[0]
+    b = q.forward(0, [ids], [0], "all").logits[0]
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < (0.08 if scheme == "int8" else 0.5), rel  # random weights: 4 bits lose much (bf16 alone: 0.02)
+    assert all(p.numel() == 0 for n, p in q.model.named_parameters() if n.endswith("proj.weight"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+])
+def test_quantized_greedy_speculative_identical_to_plain(tiny_llama, scheme, spec):
+    """Verifying k tokens through the quantized kernels reproduces k one-token steps bit for bit: the
+    same greedy tokens alone and batched, drafts accepted and rejected."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11], [100, 3, 100, 3, 100]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), quantization=scheme)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    alone = [plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == ref
+    llm = LLM(model=str(tiny_llama), quantization=scheme, speculative_config=dict(spec))
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out == ref
+    m = llm.get_metrics()
+    assert m["num_accepted_tokens"] > 0 and m["num_draft_tokens"] > m["num_accepted_tokens"]
+
+
+def test_quantized_sampling_distribution_unchanged_by_speculation(small_vocab_model):
+    """Temperature 1: the first 4 tokens sampled with n-gram drafting on an int4 model have the
+    distribution of plain sampling of the same int4 model (the test of ``test_spec_engine``)."""
+    from test_spec_engine import assert_same_distribution, sample_prefixes, two_sample_chi2
+
+    plain = LLM(model=str(small_vocab_model), quantization="int4", max_num_seqs=64)
+    spec = LLM(model=str(small_vocab_model), quantization="int4", max_num_seqs=64,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    a = sample_prefixes(plain, 2000, 0, k=4)
+    b = sample_prefixes(spec, 2000, 100_000, k=4)
+    m = spec.get_metrics()
+    assert m["num_draft_tokens"] > 1000 and m["num_accepted_tokens"] > 100
+    assert two_sample_chi2(a, b)[1] >= 10
+    assert_same_distribution(a, b)
