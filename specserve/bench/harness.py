@@ -1,12 +1,24 @@
 """Benchmark harness: the same prompts (the same token ids), one request at a time, through a list of
-*methods*, one row per (method, dtype).
+*methods*, one row per (method, dtype, weight format).
 
 A method is a small runner object with ``name``, ``start(ctx) -> Session`` (the method loaded and
 warmed up, generating one prompt at a time), ``run(ctx) -> MethodResult`` (all prompts) and optionally
-``check()`` (raise ``BenchError`` before anything runs when it cannot run). Rows today:
+``check(model=, device=, tensor_parallel_size=)`` (raise ``BenchError`` before anything loads when it
+cannot run; it may take any of these keywords, or none). Rows today:
 
 - ``none``: specserve, plain decoding (the baseline every other row is compared with);
-- ``hf``:   HF transformers ``generate`` on the same HF directory, same dtype, same torch threads.
+- ``hf``:   HF transformers ``generate`` on the same HF directory, same dtype, same torch threads;
+- ``llama.cpp`` (or ``llamacpp``): llama-cpp-python on the same GGUF file (the default model's, or the
+  ``--model`` .gguf), in the GGUF's own quantization, greedy (or plain sampling at the temperature),
+  the same prompt ids, ``n_threads`` = the bench's threads, its KV cache reset before every request
+  (no prompt caching across requests). Its tokens are compared with ``none``'s for information only
+  (llama.cpp also quantizes the activations of its quantized matmuls, so its greedy text drifts from
+  ours); every row of a run with it gets ``speedup_vs_llamacpp`` (tok/s over llama.cpp's).
+
+Weight formats (``--quantization``, a comma list like ``--dtype``): every (dtype, quantization) pair
+is one group of rows, each with its own ``none`` baseline; "auto" is the GGUF's own quantization for
+a .gguf (and the default model), dense weights for an HF directory. A row's ``quantization`` is what
+its weights are (null: dense) and ``weights`` the label the table shows (e.g. ``int8``, ``gguf Q4_1``).
 
 Speculative methods are added the same way, as ``SpecserveMethod(name, speculative_config={...})`` in
 ``METHODS`` (or through ``register_method``); their acceptance metrics come from ``LLM.get_metrics()``.
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -44,6 +57,8 @@ from typing import Callable
 
 import torch
 
+from specserve.models.gguf import read_gguf
+from specserve.models.loader import gguf_source
 from specserve.spec_decode.ngram import POOLED_BRANCHES
 
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
@@ -96,6 +111,7 @@ class BenchContext:
     threads: int
     tensor_parallel_size: int = 1
     device: str = "cpu"
+    quantization: str | None = None  # resolved: None (dense), "gguf", "int8" or "int4"
 
 
 @dataclass
@@ -170,9 +186,15 @@ class SpecserveSession(Session):
         kwargs = {"speculative_config": speculative_config} if speculative_config else {}
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
-                       device=ctx.device,
+                       device=ctx.device, quantization=ctx.quantization,
                        max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
         try:
+            runner = self.llm.engine.runner
+            ran = (str(getattr(runner, "dtype", ctx.dtype)).removeprefix("torch."),
+                   getattr(runner, "quantization", ctx.quantization))
+            if ran != (ctx.dtype, ctx.quantization):  # the row's label must be what runs
+                raise BenchError(f"asked for dtype {ctx.dtype} with quantization {ctx.quantization}, "
+                                 f"the engine loaded {ran[0]} with {ran[1]}")
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
             self.llm.reset_metrics()
             self.stats_before = dict(self.llm.engine.stats)
@@ -232,6 +254,7 @@ class HFMethod:
     at that temperature (top_k/top_p off, as in specserve's defaults)."""
 
     name = "hf"
+    quantization = None  # dense weights whatever the group's format
 
     def check(self) -> None:
         """Fail before anything runs when transformers is missing."""
@@ -260,7 +283,9 @@ class HFSession(Session):
             raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
         super().__init__(ctx)
         torch.set_num_threads(ctx.threads)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=DTYPES[ctx.dtype])
+        gguf = gguf_source(ctx.model_dir)  # a GGUF's weights: transformers reads (dequantizes) the file itself
+        where, kw = (gguf.parent, {"gguf_file": gguf.name}) if gguf else (ctx.model_dir, {})
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[ctx.dtype], **kw)
         self.model = self.model.to(ctx.device).eval()
         self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
 
@@ -292,6 +317,121 @@ def _strip_after_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
     return ids
 
 
+LLAMACPP = "llama.cpp"
+LLAMACPP_INSTALL = "pip install llama-cpp-python==0.3.36 (compiles llama.cpp, ~10 minutes), or specserve[llamacpp]"
+
+
+def model_gguf_path(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model runs from: the default model's for None, ``model`` itself for a .gguf file,
+    None for an HF directory (or anything else)."""
+    if model is None:
+        from specserve.models.loader import default_gguf_path
+
+        return default_gguf_path()
+    p = Path(model).expanduser()
+    return p if p.suffix == ".gguf" and p.is_file() else None
+
+
+def gguf_file_type(path: str | os.PathLike | None) -> str | None:
+    """The quantization a GGUF file declares (``general.file_type``, e.g. "Q4_1"); None when unknown."""
+    if path is None:
+        return None
+    try:
+        import gguf
+
+        file_type = read_gguf(Path(path))[0].get("general.file_type")
+        return None if file_type is None else gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except (OSError, ValueError, KeyError, TypeError):  # a label only: never stops the bench
+        return None
+
+
+class LlamaCppMethod:
+    """llama-cpp-python on the GGUF our rows load (see the module docstring)."""
+
+    name = LLAMACPP
+    quantization = "gguf"
+    identity_informational = True  # its tokens differ from ours by design: compared for information only
+
+    def check(self, model=None, device: str = "cpu", tensor_parallel_size: int = 1) -> None:
+        """Fail before anything loads: llama-cpp-python missing, an HF directory as the model, TP, a GPU."""
+        import_llama_cpp()
+        if tensor_parallel_size > 1:
+            raise BenchError(f"method '{LLAMACPP}' runs on one process: drop it with --tensor-parallel-size > 1")
+        if device != "cpu":
+            raise BenchError(f"method '{LLAMACPP}' runs llama.cpp on the CPU: compare it with --device cpu")
+        llamacpp_gguf(model)
+
+    def start(self, ctx: BenchContext) -> LlamaCppSession:
+        return LlamaCppSession(ctx, llamacpp_gguf(ctx.model))
+
+    def run(self, ctx: BenchContext) -> MethodResult:
+        return run_alone(self, ctx)
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module, or a one-line ``BenchError`` saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise BenchError(f"{LLAMACPP} row: llama-cpp-python is not installed: {LLAMACPP_INSTALL}") from None
+    return llama_cpp
+
+
+def llamacpp_gguf(model) -> Path:
+    """The .gguf file the llama.cpp row runs: the default model's, or ``--model`` when it is a .gguf."""
+    gguf = model_gguf_path(model)
+    if gguf is None:
+        raise BenchError(f"{LLAMACPP} row: llama.cpp needs a .gguf model, got --model {model} (pass --model X.gguf, "
+                         "or leave --model out for the default model's GGUF)")
+    return gguf
+
+
+class LlamaCppSession(Session):
+    """One ``llama_cpp.Llama`` over the GGUF, ``n_threads`` = ``n_threads_batch`` = the bench's threads,
+    a context big enough for the longest prompt and ``max_tokens``; every request starts from an empty
+    KV cache (``reset()``), prefill included in its time like our rows'."""
+
+    def __init__(self, ctx: BenchContext, gguf: Path):
+        llama_cpp = import_llama_cpp()
+        super().__init__(ctx)
+        longest = max((len(ids) for ids in ctx.prompt_ids), default=1)
+        n_ctx = -(-(longest + max(ctx.max_tokens, WARMUP_TOKENS) + 1) // 256) * 256
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=ctx.threads,
+                                   n_threads_batch=ctx.threads, seed=ctx.seed, verbose=False, logits_all=False)
+        self.eos = set(ctx.eos_ids)
+        # greedy (temperature 0: llama.cpp's greedy sampler), else plain sampling at the temperature with
+        # top-k, top-p, min-p and the repeat penalty off, as in our rows
+        greedy = ctx.temperature < 1e-5
+        self.sampling = {"temp": 0.0 if greedy else ctx.temperature, "top_k": 1 if greedy else 0, "top_p": 1.0,
+                         "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0}
+        self.version = getattr(llama_cpp, "__version__", "?")
+        self.gguf = gguf
+        self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
+
+    def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
+        self.llm.reset()  # an empty cache: no prefix of an earlier request (e.g. the chat template's) reused
+        if self.sampling["temp"] > 0:
+            self.llm.set_seed(self.ctx.seed + i)
+        out: list[int] = []
+        for t in self.llm.generate(list(ids), reset=True, **self.sampling):
+            out.append(int(t))
+            if out[-1] in self.eos or len(out) >= n:
+                break
+        return out
+
+    def result(self) -> MethodResult:
+        return MethodResult(self._outputs(), self.wall,
+                            extra={"llama_cpp_version": self.version, "gguf": str(self.gguf),
+                                   "n_threads": self.ctx.threads})
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+        del self.llm
+        super().close()
+
+
 # name -> factory
 METHODS: dict[str, Callable[[], object]] = {
     "none": lambda: SpecserveMethod("none", None),
@@ -320,7 +460,10 @@ METHODS: dict[str, Callable[[], object]] = {
     # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth
     "dspark-tree": lambda: SpecserveMethod("dspark-tree", {"method": "dspark", "dspark_tree": "auto"}),
     "dflash-tree": lambda: SpecserveMethod("dflash-tree", {"method": "dflash", "dspark_tree": "auto"}),
+    # llama-cpp-python on the same GGUF (pip install llama-cpp-python==0.3.36)
+    LLAMACPP: LlamaCppMethod,
 }
+METHOD_ALIASES = {"llamacpp": LLAMACPP}
 
 
 def register_method(name: str, factory: Callable[[], object]) -> None:
@@ -353,6 +496,7 @@ def method_factory(name: str) -> Callable[[], object] | None:
     drafter methods may end in ``@PATH``: the same with the drafter checkpoint at PATH instead of the
     shipped one (``speculative_config["model"]``), e.g. ``dspark-tree-pool@my-drafter``, to compare
     drafters side by side in one run."""
+    name = METHOD_ALIASES.get(name, name)
     if "@" in name:
         base_name, path = name.split("@", 1)
         base = method_factory(base_name) if path else None
@@ -389,7 +533,8 @@ def method_factory(name: str) -> Callable[[], object] | None:
 
 
 def parse_methods(spec: str | list[str]) -> list[str]:
-    names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    names = [METHOD_ALIASES.get(m.strip(), m.strip())
+             for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
     if not names:
         raise BenchError("no methods given")
     unknown = [m for m in names if method_factory(m) is None]
@@ -399,7 +544,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
                          "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
                          "also from earlier requests), a DSpark/DFlash method + '-draft-float32' or "
                          "'-draft-bfloat16' (its drafter's dtype), and a drafter method + '@PATH' (its drafter "
-                         "checkpoint at PATH)")
+                         f"checkpoint at PATH); {', '.join(METHOD_ALIASES)} = {', '.join(METHOD_ALIASES.values())}")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")
@@ -409,7 +554,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
 def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
     from specserve.engine.model_runner import DTYPES, resolve_dtype
 
-    names = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec) if d.strip()]
+    names = _comma_list(spec)
     if not names:
         raise BenchError("no dtype given")
     out = []
@@ -418,6 +563,60 @@ def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
             raise BenchError(f"unknown dtype {d!r}; choose from auto, float32, bfloat16, float16")
         out.append(str(resolve_dtype(d, device)).removeprefix("torch."))
     return list(dict.fromkeys(out))
+
+
+QUANTIZATION_NAMES = ("auto", "none", "gguf", "int8", "int4")
+
+
+def _comma_list(spec: str | list[str]) -> list[str]:
+    return [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x and x.strip()]
+
+
+def resolve_format(dtype: str, quantization: str | None, model=None, device: str = "cpu") -> tuple[str, str | None]:
+    """The concrete (dtype name, quantization) that ``LLM(model, dtype=dtype, quantization=quantization)``
+    runs on ``device``: the engine's own rules (``model_runner.resolve_quantization``: "auto" is a
+    GGUF's own quantization unless float32 is asked for, dense for an HF directory; an "auto" dtype is
+    bfloat16 for quantized weights), so that a row's label is what ran."""
+    from specserve.engine import model_runner as mr
+
+    if dtype != "auto" and dtype not in mr.DTYPES:
+        raise BenchError(f"unknown dtype {dtype!r}; choose from auto, float32, bfloat16, float16")
+    if quantization is not None and quantization not in QUANTIZATION_NAMES:
+        raise BenchError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATION_NAMES)}")
+    is_gguf = model_gguf_path(model) is not None
+    resolve_q = getattr(mr, "resolve_quantization", None)
+    if resolve_q is not None:
+        try:
+            q = resolve_q(quantization, dtype, is_gguf, device)
+        except ValueError as e:
+            raise BenchError(f"--quantization {quantization}: {e}") from None
+    else:  # an engine without weight-only quantization: dense only
+        q = None if quantization in (None, "none", "auto") else quantization
+        if q is not None:
+            raise BenchError(f"--quantization {quantization}: this engine runs dense weights only")
+    dt = mr.resolve_dtype("bfloat16" if q and dtype == "auto" else dtype, device)
+    return str(dt).removeprefix("torch."), q
+
+
+def parse_formats(dtypes: str | list[str], quantizations: str | list[str], model=None,
+                  device: str = "cpu") -> list[tuple[str, str | None]]:
+    """Every (dtype, quantization) pair of two comma lists, resolved (``resolve_format``), in the
+    order dtype by dtype, duplicates dropped."""
+    ds, qs = _comma_list(dtypes), _comma_list(quantizations)
+    if not ds:
+        raise BenchError("no dtype given")
+    if not qs:
+        raise BenchError("no quantization given")
+    return list(dict.fromkeys(resolve_format(d, q, model, device) for d in ds for q in qs))
+
+
+def weights_label(quantization: str | None, gguf_type: str | None = None) -> str:
+    """The weight format as the table shows it: dense, int8, int4, gguf Q4_1."""
+    if quantization is None:
+        return "dense"
+    if quantization == "gguf" and gguf_type:
+        return f"gguf {gguf_type}"
+    return quantization
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -437,27 +636,27 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               num_prompts: int | None = None, max_tokens: int = 128, temperature: float = 0.0,
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
-              interleave: bool = True, device: str | None = "auto") -> list[dict]:
-    """Run every method at every dtype; returns one row (a dict) per (dtype, method). ``interleave``
-    (one process only): see ``_run_methods``."""
+              interleave: bool = True, device: str | None = "auto",
+              quantizations: str | list[str] = "auto") -> list[dict]:
+    """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
+    quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
     from specserve.models.loader import resolve_model_dir
     from specserve.tokenizer import Tokenizer
 
     log = log or (lambda s: None)
     names = parse_methods(methods)
     runners = {n: method_factory(n)() for n in names}
-    for r in runners.values():
-        if hasattr(r, "check"):
-            r.check()
     from specserve.engine.model_runner import resolve_device
 
     try:
         device = resolve_device(device, tensor_parallel_size)
     except ValueError as e:
         raise BenchError(str(e)) from None
+    for r in runners.values():  # before anything loads
+        _check(r, model=model, device=device, tensor_parallel_size=tensor_parallel_size)
     if device != "cpu" and tensor_parallel_size > 1:
         raise BenchError("--tensor-parallel-size > 1 runs gloo processes on CPU: use --device cpu")
-    dtype_names = parse_dtypes(dtypes, device)
+    groups = parse_formats(dtypes, quantizations, model, device)
     if max_tokens < 1:
         raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
     if temperature < 0:
@@ -488,45 +687,90 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
 
     cfg_eos = read_config(model_dir).eos_token_id
     eos_ids = list(dict.fromkeys((tok.eos_token_ids or []) + ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or []))))
-    greedy = temperature < 1e-5
     interleaved = interleave and tensor_parallel_size == 1  # TP: one set of worker processes at a time
+    gguf_type = gguf_file_type(model_gguf_path(model))
 
     rows = []
-    for dtype in dtype_names:
+    for dtype, quant in groups:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
-                           tensor_parallel_size, device)
-        base: MethodResult | None = None
-        base_tps = None
+                           tensor_parallel_size, device, quant)
         results = _run_methods(runners, names, ctx, interleaved, log)
-        for name in names:
-            res = results[name]
-            tps = res.generated_tokens / res.wall_s if res.wall_s > 0 else 0.0
-            if name == "none":
-                base, base_tps = res, tps
-            identical, divergent, mismatched = compare(base.outputs, res.outputs) if greedy else (None, None, None)
-            rows.append({
-                "method": name,
-                "dtype": dtype,
-                "tokens_per_s": round(tps, 3),
-                "speedup_vs_none": round(tps / base_tps, 4) if base_tps else None,
-                "num_prompts": len(prompt_ids),
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "generated_tokens": res.generated_tokens,
-                "wall_s": round(res.wall_s, 4),
-                "identical_to_none": identical,
-                "divergent_prompts": divergent,
-                "length_mismatches": mismatched,
-                "mean_acceptance_length": res.mean_acceptance_length,
-                "acceptance_rate_per_position": res.acceptance_rate_per_position,
-                "threads": threads,
-                "device": device,
-                "tensor_parallel_size": tensor_parallel_size,
-                "interleaved": interleaved,
-                "model_dir": str(model_dir),
-                **res.extra,
-            })
+        rows += group_rows(names, runners, results, ctx, gguf_type,
+                           {"interleaved": interleaved, "model_dir": str(model_dir)})
     return rows
+
+
+def _check(runner, **setup) -> None:
+    """``runner.check`` with the keywords of ``setup`` it takes (none, some or all)."""
+    check = getattr(runner, "check", None)
+    if check is None:
+        return
+    params = inspect.signature(check).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        check(**setup)
+    else:
+        check(**{k: v for k, v in setup.items() if k in params})
+
+
+def group_rows(names: list[str], runners: dict, results: dict[str, MethodResult], ctx: BenchContext,
+               gguf_type: str | None = None, common: dict | None = None) -> list[dict]:
+    """The rows of one (dtype, weight format) group: tok/s, speed-up over ``none`` (and over the
+    ``llama.cpp`` row, when there is one), identity with ``none`` (greedy; for information only for
+    a method with ``identity_informational``), acceptance and the method's extras."""
+    greedy = ctx.temperature < 1e-5
+    tps_of = {n: (r.generated_tokens / r.wall_s if r.wall_s > 0 else 0.0) for n, r in results.items()}
+    base, base_tps = results["none"], tps_of["none"]
+    ref_tps = tps_of.get(LLAMACPP)
+    rows = []
+    for name in names:
+        res, tps, runner = results[name], tps_of[name], runners[name]
+        quant = getattr(runner, "quantization", ctx.quantization)
+        identical, divergent, mismatched = compare(base.outputs, res.outputs) if greedy else (None, None, None)
+        row = {
+            "method": name,
+            "dtype": ctx.dtype,
+            "quantization": quant,
+            "weights": weights_label(quant, gguf_type),
+            "tokens_per_s": round(tps, 3),
+            "speedup_vs_none": round(tps / base_tps, 4) if base_tps else None,
+        }
+        if ref_tps is not None:
+            row["speedup_vs_llamacpp"] = round(tps / ref_tps, 4) if ref_tps else None
+        informational = getattr(runner, "identity_informational", False)
+        row.update({
+            "num_prompts": len(ctx.prompt_ids),
+            "max_tokens": ctx.max_tokens,
+            "temperature": ctx.temperature,
+            "generated_tokens": res.generated_tokens,
+            "wall_s": round(res.wall_s, 4),
+            # informational rows (llama.cpp) are never marked identical or not: see the divergence counts
+            "identical_to_none": None if informational else identical,
+            "divergent_prompts": divergent,
+            "length_mismatches": mismatched,
+            "mean_acceptance_length": res.mean_acceptance_length,
+            "acceptance_rate_per_position": res.acceptance_rate_per_position,
+            "tensor_parallel_size": ctx.tensor_parallel_size,
+            "threads": ctx.threads,
+            "device": ctx.device,
+            **(common or {}),
+            **res.extra,
+        })
+        if informational and greedy:
+            row["identity_informational"] = True
+            row["mean_common_prefix_tokens"] = round(common_prefix(base.outputs, res.outputs), 2)
+        rows.append(row)
+    return rows
+
+
+def common_prefix(base: list[list[int]], other: list[list[int]]) -> float:
+    """Mean over prompts of the number of leading tokens two runs share."""
+    n = []
+    for a, b in zip(base, other):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        n.append(k)
+    return sum(n) / len(n) if n else 0.0
 
 
 def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave: bool, log) -> dict[str, MethodResult]:
@@ -536,7 +780,7 @@ def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave:
     Else one method after the other (tensor parallelism: one set of worker processes at a time)."""
     n = len(ctx.prompt_ids)
     where = f"{ctx.threads} threads" if ctx.device == "cpu" else ctx.device
-    what = f"({ctx.dtype}, {n} prompts x {ctx.max_tokens} tokens, {where})"
+    what = f"({ctx.dtype}, {weights_label(ctx.quantization)} weights, {n} prompts x {ctx.max_tokens} tokens, {where})"
     if not interleave:
         out = {}
         for name in names:
@@ -560,10 +804,12 @@ def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave:
 
 
 def format_table(rows: list[dict]) -> str:
-    """method | dtype | tok/s | vs none | ours/hf | identical | mean acc. length | tokens | ms per decoding
-    step | of which drafting | tokens verified per step."""
-    head = ["method", "dtype", "tok/s", "vs none", "ours/hf", "identical", "acc.len", "tokens", "ms/step", "draft ms",
-            "verified/step"]
+    """method | dtype | weights | tok/s | vs none | vs llama.cpp (when a llama.cpp row ran) | ours/hf |
+    identical | mean acc. length | tokens | ms per decoding step | of which drafting | tokens verified
+    per step."""
+    ref = any("speedup_vs_llamacpp" in r for r in rows)
+    head = ["method", "dtype", "weights", "tok/s", "vs none"] + (["vs llama.cpp"] if ref else []) + [
+        "ours/hf", "identical", "acc.len", "tokens", "ms/step", "draft ms", "verified/step"]
     tp = any("collectives_per_token" in r for r in rows)
     if tp:
         head += ["coll/token", "coll/draft step"]
@@ -575,9 +821,12 @@ def format_table(rows: list[dict]) -> str:
         ident = {True: "yes", False: f"NO ({r['divergent_prompts']} differ)", None: "-"}[r["identical_to_none"]]
         if r["method"] == "none":
             ident = "(baseline)"
-        body.append([r["method"], r["dtype"], f"{r['tokens_per_s']:.1f}",
-                     f"{r['speedup_vs_none']:.2f}x" if r["speedup_vs_none"] is not None else "-", ours_hf, ident,
-                     f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])]
+        elif r.get("identity_informational"):
+            ident = f"info: {r['divergent_prompts']} differ" if r["divergent_prompts"] else "info: same"
+        body.append([r["method"], "-" if r["method"] == LLAMACPP else r["dtype"], r.get("weights", "dense"),
+                     f"{r['tokens_per_s']:.1f}", _ratio(r["speedup_vs_none"])]
+                    + ([_ratio(r.get("speedup_vs_llamacpp"))] if ref else [])
+                    + [ours_hf, ident, f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])]
                     + ([f"{r['ms_per_step']:.1f}", f"{r['draft_ms_per_step']:.1f}", f"{r['verified_tokens_per_step']:.1f}"]
                        if "ms_per_step" in r else ["-"] * 3))
         if tp:
@@ -585,9 +834,14 @@ def format_table(rows: list[dict]) -> str:
             body[-1] += [f"{r.get('collectives_per_token', 0):.1f}",
                          "-" if step is None else (" + ".join(f"{v} {k}" for k, v in sorted(step.items())) or "0")]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < 2 or i == 5 else c.rjust(w)  # noqa: E731
+    left = {"method", "dtype", "weights", "identical"}
+    line = lambda cells: "  ".join(c.ljust(w) if head[i] in left else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def _ratio(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
 
 
 def write_json(rows: list[dict], path: str | os.PathLike) -> None:

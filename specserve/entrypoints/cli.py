@@ -1,4 +1,4 @@
-"""The ``specserve`` command: ``generate``, ``convert``, ``bench``, ``demo`` and ``train``.
+"""The ``specserve`` command: ``generate``, ``convert``, ``bench``, ``perplexity``, ``demo`` and ``train``.
 
 Errors a user can fix (a missing model path, a bad argument, a value the engine rejects) print
 ``error: <message>`` to stderr and exit with status 2, without a traceback."""
@@ -50,11 +50,36 @@ def _positive_int(s: str) -> int:
     return v
 
 
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATION_HELP = ("weights: auto (the engine's choice: a .gguf, and the default model, in its own quantization "
+                     "on CPU unless the dtype is float32; an HF directory dense), none (dense), gguf (the GGUF's own "
+                     "blocks), int8 or int4 (weight-only, quantized at load)")
+
+
+def _quantization(s: str) -> str:
+    if s not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(QUANTIZATIONS)}, got {s!r}")
+    return s
+
+
+def quantization_arg(value: str | None) -> str | None:
+    """``--quantization`` as ``LLM`` takes it: "none" is None."""
+    return None if value in (None, "none") else value
+
+
 def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float32 | bfloat16 | float16",
-                    device: bool = True) -> None:
+                    device: bool = True, quantization: str | None = None) -> None:
+    """--model, --dtype, --device (unless ``device`` is False) and, when ``quantization`` is "one" or
+    "list", --quantization (one value, or a comma list like --dtype's)."""
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help=dtype_help + " (default: auto)")
+    if quantization == "one":
+        p.add_argument("--quantization", type=_quantization, default="auto",
+                       metavar="{" + ",".join(QUANTIZATIONS) + "}", help=QUANTIZATION_HELP + " (default: auto)")
+    elif quantization == "list":
+        p.add_argument("--quantization", default="auto", metavar="Q[,Q...]",
+                       help=QUANTIZATION_HELP + "; a comma list to run each with each --dtype (default: auto)")
     if device:  # the trainers run on the CPU
         p.add_argument("--device", default="auto",
                        help="auto | cpu | cuda | cuda:N (default auto: a CUDA GPU when torch sees one and the model "
@@ -142,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
                        description="Generate text for one prompt, streamed to stdout; stats go to stderr.")
-    _add_model_args(g)
+    _add_model_args(g, quantization="one")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     g.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate at most (default 128)")
@@ -167,11 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run each method on the same prompts (same token ids), one request at a "
                                    "time, and report tokens/s, speed-up over plain decoding and whether greedy "
                                    "outputs are identical to plain decoding.")
-    _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each")
+    _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each", quantization="list")
     b.add_argument("--methods", default="none,hf",
                    help="comma list of methods (default none,hf); 'none' (the baseline) always runs; "
                         "medusa-tree-N / dspark-tree-N / dflash-tree-N: the shipped drafter with trees of N "
-                        "nodes")
+                        "nodes; llama.cpp (or llamacpp): llama-cpp-python on the same .gguf, same prompt ids and "
+                        "threads (pip install llama-cpp-python==0.3.36), with a 'vs llama.cpp' column")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
                         "'chitchat-heldout' / 'instructions-heldout' / 'sharegpt-heldout' (the held-out splits "
@@ -192,11 +218,39 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, metavar="OUT", help="write the rows as a JSON list to OUT")
     b.set_defaults(func=cmd_bench)
 
+    px = sub.add_parser("perplexity", help="perplexity of the model in each weight format on held-out text",
+                        description="Perplexity of the target in each weight format (float32, bfloat16, int8, "
+                                    "int4, gguf) on the same held-out text, fed in chunks through the engine's "
+                                    "own forward.")
+    px.add_argument("--model", default=None,
+                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    px.add_argument("--formats", default=None, metavar="F[,F...]",
+                    help="comma list of weight formats: float32, bfloat16, int8, int4, gguf (a .gguf or the default "
+                         "model only), or DTYPE+QUANTIZATION (e.g. float32+int8) (default: every one that applies)")
+    px.add_argument("--dtype", default=None,
+                    help="with --quantization (or alone): one format, DTYPE+QUANTIZATION, instead of --formats")
+    px.add_argument("--quantization", type=_quantization, default=None,
+                    metavar="{" + ",".join(QUANTIZATIONS) + "}", help="see --dtype")
+    px.add_argument("--text", default=None, metavar="FILE",
+                    help="plain UTF-8 text to score (default: chitchat-heldout, the chitchat conversations held out "
+                         "of the drafters' training)")
+    px.add_argument("--max-tokens", type=_positive_int, default=4096,
+                    help="tokens of text to score at most (default 4096)")
+    px.add_argument("--context", type=_positive_int, default=1024,
+                    help="tokens per window: each window starts again at position 0 (default 1024)")
+    px.add_argument("--chunk", type=_positive_int, default=256, help="tokens per forward (default 256)")
+    px.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    px.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    px.add_argument("--json", default=None, metavar="OUT", help="write the rows as a JSON list to OUT")
+    px.set_defaults(func=cmd_perplexity)
+
     d = sub.add_parser("demo", help="stream a short chat answer from the default model and report tokens/s")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     d.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 (default auto: float32 on CPU; bfloat16 on a CPU with AVX512 "
                         "is batch-invariant, so speculative decoding still gives plain decoding's text)")
+    d.add_argument("--quantization", type=_quantization, default="auto",
+                   metavar="{" + ",".join(QUANTIZATIONS) + "}", help=QUANTIZATION_HELP + " (default: auto)")
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="train a drafter on the target's own outputs",
@@ -360,7 +414,8 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-              num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device)
+              num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device,
+              quantization=quantization_arg(args.quantization))
     try:
         if args.chat:
             prompt = {"prompt": args.prompt,
@@ -405,7 +460,7 @@ def cmd_bench(args) -> int:
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
                      tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
-                     device=args.device)
+                     device=args.device, quantizations=args.quantization)
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
     where = f"{r0['threads']} threads{tp}" if r0["device"] == "cpu" else r0["device"]
@@ -413,6 +468,28 @@ def cmd_bench(args) -> int:
           f"{where}, batch size 1, "
           f"{'methods interleaved prompt by prompt' if r0['interleaved'] else 'one method after the other'}; "
           "tok/s = generated tokens / request wall time (prefill included)")
+    print(format_table(rows), flush=True)
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from specserve.bench.harness import main_log, write_json
+    from specserve.bench.perplexity import evaluate, format_table
+
+    formats = args.formats
+    if args.dtype is not None or args.quantization is not None:
+        if formats is not None:
+            raise CLIError("give --formats, or --dtype/--quantization for one format, not both")
+        formats = [f"{args.dtype or 'auto'}+{args.quantization or 'none'}"]
+    rows = evaluate(model=args.model, formats=formats, text=args.text, max_tokens=args.max_tokens,
+                    threads=args.threads, context=args.context, chunk=args.chunk, device=args.device, log=main_log)
+    r0 = rows[0]
+    where = f"{r0['threads']} threads" if r0["device"] == "cpu" else r0["device"]
+    print(f"perplexity on {r0['text']}: {r0['tokens']} tokens scored in windows of {r0['context']} "
+          f"({r0['chunk']} tokens a forward), {where}; seconds = the forwards, loading excluded")
     print(format_table(rows), flush=True)
     if args.json:
         write_json(rows, args.json)
@@ -436,12 +513,15 @@ def cmd_demo(args) -> int:
     results = []
     for title, spec in runs:
         t0 = time.perf_counter()
-        llm = LLM(num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"))
+        llm = LLM(num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"),
+                  quantization=quantization_arg(getattr(args, "quantization", "auto")))
         load_s = time.perf_counter() - t0
         try:
             import torch
 
             dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+            quant = getattr(llm.engine.runner, "quantization", None)
+            dtype += f", {quant} weights" if quant else ""
             print(f"\n== {title}: SmolLM2-135M-Instruct ({dtype}, {torch.get_num_threads()} CPU threads), "
                   f"loaded in {load_s:.1f} s")
             print(f"Q: {DEMO_QUESTION}\nA: ", end="", flush=True)

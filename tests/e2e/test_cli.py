@@ -132,9 +132,9 @@ def test_demo_in_bfloat16_gives_plain_decodings_text():
 
     if not mkldnn_packing_available(torch.bfloat16):
         pytest.skip("no bfloat16 weight packing on this CPU")
-    r = specserve("demo", "--dtype", "bfloat16", "--threads", "2")
+    r = specserve("demo", "--dtype", "bfloat16", "--threads", "2")  # the GGUF's own quantized weights
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("(bfloat16, 2 CPU threads)") == 3
+    assert r.stdout.count("(bfloat16, gguf weights, 2 CPU threads)") == 3
     assert r.stdout.count("text identical") == 2 and "DIFFERENT" not in r.stdout, r.stdout
 
 
