@@ -254,12 +254,52 @@ class ModelRunner:
         entries, and return logits ("last": each row's last new token; "all": every new token;
         "none"). ``tree_mask[b]`` (bool [n_b, n_b]) restricts which new tokens see each other, with
         ``positions[b]`` their RoPE positions; without it the new tokens are causal."""
-        dev = self.device
         B = len(tokens)
         lens = [len(t) for t in tokens]
         Q = max(lens)
         kv_len = max(s + n for s, n in zip(starts, lens))
         self.kv.ensure(kv_len)
+        if B == 1 and tree_mask is None:
+            ids, pos, ctx = self._one_sequence(slot_start, tokens[0], starts[0], positions, kv_len)
+        else:
+            ids, pos, ctx = self._batch(slot_start, tokens, starts, lens, Q, kv_len, tree_mask, positions)
+        hidden, aux = self.model(ids, pos, ctx, aux_layers)
+        if logits_mode == "none":
+            return StepOutput(None, None, aux)
+        if logits_mode == "last":
+            if all(n == Q for n in lens):
+                hidden = hidden[:, -1]
+            else:
+                dev = self.device
+                hidden = hidden[torch.arange(B, device=dev), torch.tensor([n - 1 for n in lens], device=dev)]
+        logits = self.model.compute_logits(hidden)
+        if not self.tp.is_driver:
+            return StepOutput(None)
+        return StepOutput(logits.float(), hidden if return_hidden else None, aux)
+
+    def _one_sequence(self, slot: int, tokens: list[int], start: int, positions, kv_len: int):
+        """``forward``'s inputs for one sequence appending causal tokens (decoding, chain verification,
+        prefill): the cache writes are a slice, the RoPE positions (unless given) that slice's range, and
+        the mask none (one query, or a prefill from position 0: SDPA's causal mask) or one comparison."""
+        dev = self.device
+        Q = len(tokens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        mask, causal = None, False
+        if Q > 1 and start == 0:
+            causal = True
+        elif Q > 1:  # query i sees keys [0, start + i]
+            key = torch.arange(kv_len, device=dev)
+            mask = (key <= torch.arange(start, start + Q, device=dev).unsqueeze(-1)).view(1, 1, Q, kv_len)
+        pos = None if positions is None else torch.tensor(positions, dtype=torch.long, device=dev)
+        ctx = ForwardContext(self.kv, slot, None, kv_len, mask, causal, write_range=(start, start + Q),
+                             positions_range=(start, start + Q) if positions is None else None)
+        return ids, pos, ctx
+
+    def _batch(self, slot_start, tokens, starts, lens, Q, kv_len, tree_mask, positions):
+        """``forward``'s inputs in general: sequences padded to Q new tokens (padding writes to the
+        scratch entry and sees one key), tree masks, given RoPE positions."""
+        dev = self.device
+        B = len(tokens)
         ids = torch.zeros(B, Q, dtype=torch.long)
         pos = torch.zeros(B, Q, dtype=torch.long)
         widx = torch.full((B, Q), self.kv.scratch, dtype=torch.long)
@@ -267,35 +307,21 @@ class ModelRunner:
             ids[b, :n] = torch.tensor(t, dtype=torch.long)
             widx[b, :n] = torch.arange(s, s + n)
             pos[b, :n] = torch.tensor(positions[b], dtype=torch.long) if positions else widx[b, :n]
-        mask, causal = None, False
-        if tree_mask is None and B == 1 and Q == 1:
-            pass  # one query at the end of one sequence sees all kv_len keys
-        elif tree_mask is None and B == 1 and starts[0] == 0:
-            causal = True
-        else:
-            key = torch.arange(kv_len)
-            mask = key.view(1, 1, kv_len) <= widx.clamp(max=kv_len - 1).unsqueeze(-1)  # [B, Q, L]
-            for b, n in enumerate(lens):
-                mask[b, n:] = False
-                mask[b, n:, 0] = True  # padding rows see one key (never NaN)
-                if tree_mask is not None and tree_mask[b] is not None:
-                    s = starts[b]
-                    tm = torch.as_tensor(tree_mask[b], dtype=torch.bool)
-                    mask[b, :n, s : s + n] = tm
-            mask = mask.unsqueeze(1).to(dev)
-        ctx = ForwardContext(self.kv, slot_start, widx.to(dev), kv_len, mask, causal,
-                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1).to(dev),
+        key = torch.arange(kv_len)
+        mask = key.view(1, 1, kv_len) <= widx.clamp(max=kv_len - 1).unsqueeze(-1)  # [B, Q, L]
+        for b, n in enumerate(lens):
+            mask[b, n:] = False
+            mask[b, n:, 0] = True  # padding rows see one key (never NaN)
+            if tree_mask is not None and tree_mask[b] is not None:
+                s = starts[b]
+                tm = torch.as_tensor(tree_mask[b], dtype=torch.bool)
+                mask[b, :n, s : s + n] = tm
+        mask = mask.unsqueeze(1).to(dev)
+        widx = widx.to(dev)
+        ctx = ForwardContext(self.kv, slot_start, widx, kv_len, mask, False,
+                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1),
                              (starts[0], starts[0] + Q) if B == 1 else None)
-        hidden, aux = self.model(ids.to(dev), pos.to(dev), ctx, aux_layers)
-        if logits_mode == "none":
-            return StepOutput(None, None, aux)
-        if logits_mode == "last":
-            last = torch.tensor([n - 1 for n in lens], device=dev)
-            hidden = hidden[torch.arange(B, device=dev), last]
-        logits = self.model.compute_logits(hidden)
-        if not self.tp.is_driver:
-            return StepOutput(None)
-        return StepOutput(logits.float(), hidden if return_hidden else None, aux)
+        return ids.to(dev), pos.to(dev), ctx
 
     @torch.inference_mode()
     def move_slot(self, src: int, dst: int, length: int) -> None:

@@ -9,7 +9,7 @@ simply never visible, and are overwritten before any query can see them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,19 @@ class ForwardContext:
     flat_b: torch.Tensor | None = None  # [B*Q] batch index of each new token
     flat_w: torch.Tensor | None = None  # [B*Q] write_idx flattened
     write_range: tuple[int, int] | None = None  # B == 1 and the new tokens go to [a, b): slice writes
+    positions_range: tuple[int, int] | None = None  # B == 1 and the RoPE positions are [a, b): no gather
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as SDPA's additive mask in ``dtype`` (0 visible, -inf hidden), made once per forward
+        and shared by the layers (given the bool mask, SDPA would convert it in every layer)."""
+        if self.mask is None or self.mask.dtype != torch.bool:
+            return self.mask
+        m = self._masks.get(dtype)
+        if m is None:
+            m = self._masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return m
 
 
 class Attention(nn.Module):
@@ -40,33 +53,35 @@ class Attention(nn.Module):
         self.gqa = num_heads != num_kv_heads
         self.float64 = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
 
-    def forward(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
-        """q [B, Q, H, D], k/v [B, Q, Hkv, D] -> [B, Q, H*D]."""
+    def forward(self, q, kv, ctx: ForwardContext, cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Q, H, D], kv [B, Q, 2, Hkv, D] (keys, values; views of the q/k/v projection do) ->
+        [B, Q, H*D]. ``cache``: this layer's ``ctx.kv.kv[layer_idx]`` (found here when not given)."""
         B, Q = q.shape[:2]
-        q = q.transpose(1, 2)
-        if ctx.kv is None:
-            keys, vals = k.transpose(1, 2), v.transpose(1, 2)
-            mask, causal = ctx.mask, ctx.mask is None
+        if cache is None and ctx.kv is not None:
+            cache = ctx.kv.kv[self.layer_idx]
+        if cache is None:
+            src = kv.permute(0, 2, 3, 1, 4)  # [B, 2, Hkv, Q, D]
+            causal = ctx.mask is None
         else:
-            kc = ctx.kv.k[self.layer_idx][ctx.slot_start : ctx.slot_start + B]
-            vc = ctx.kv.v[self.layer_idx][ctx.slot_start : ctx.slot_start + B]
+            # one copy writes keys and values (cache layout [slot, 2, Hkv, position, D])
             if ctx.write_range is not None:  # one sequence writing a contiguous range: a slice copy
                 a, b = ctx.write_range
-                kc[0, :, a:b] = k[0].transpose(0, 1)
-                vc[0, :, a:b] = v[0].transpose(0, 1)
+                cache[ctx.slot_start, :, :, a:b] = kv[0].permute(1, 2, 0, 3)
             else:
-                kc[ctx.flat_b, :, ctx.flat_w] = k.reshape(B * Q, self.num_kv_heads, self.head_dim)
-                vc[ctx.flat_b, :, ctx.flat_w] = v.reshape(B * Q, self.num_kv_heads, self.head_dim)
-            keys, vals = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
-            mask, causal = ctx.mask, ctx.is_causal
+                rows = cache[ctx.slot_start : ctx.slot_start + B]
+                rows[ctx.flat_b, :, :, ctx.flat_w] = kv.reshape(B * Q, 2, self.num_kv_heads, self.head_dim)
+            src = cache[ctx.slot_start : ctx.slot_start + B, :, :, : ctx.kv_len]
+            causal = ctx.is_causal
         dtype = q.dtype
+        q = q.transpose(1, 2)
         if self.float64:
             # Products of bfloat16 (or float32) values are exact in float64 and its sums err by ~1e-16:
             # the order in which a kernel adds them (which depends on the query count, the key count and,
             # in a tree, where a node's ancestors sit in the cache) no longer shows in the output once it
             # is rounded back to bfloat16 (steps of ~4e-3), short of a value within ~1e-16 of a tie.
-            q, keys, vals = q.double(), keys.double(), vals.double()
+            q, src = q.double(), src.double()  # keys and values in one cast
+        keys, vals = src.unbind(1)
         out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
-        ).to(dtype)
-        return out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim)
+            q, keys, vals, attn_mask=ctx.attn_mask(q.dtype), is_causal=causal, scale=self.scale, enable_gqa=self.gqa
+        )
+        return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).view(B, Q, -1)

@@ -6,7 +6,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back before the weight (as HF Llama/Qwen do)."""
+    """RMSNorm computed in float32, cast back before the weight (as HF Llama/Qwen do). On a bfloat16
+    (float16) input ``F.rms_norm`` itself computes in float32 and rounds once at the end, which is
+    ``F.rms_norm(x.float()).to(x.dtype)`` without the two casts."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
@@ -16,7 +18,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,4 +27,4 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     key heads): several norms of the same size in one call. Float32 inside, as ``RMSNorm``."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
-    return weight * F.rms_norm(x.float(), weight.shape[-1:], None, eps).to(x.dtype)
+    return weight * F.rms_norm(x, weight.shape[-1:], None, eps)

@@ -14,7 +14,7 @@ from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from specserve.layers.norm import RMSNorm
-from specserve.layers.rotary import RotaryEmbedding, apply_rotary
+from specserve.layers.rotary import RotaryEmbedding, rotate_
 
 
 class LlamaAttention(nn.Module):
@@ -37,18 +37,18 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(layer_idx, self.h, self.hkv, cfg.head_dim)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext):
+    def forward(self, x, cos, sin, ctx: ForwardContext, cache=None):
+        """q, k and v stay views of the projection's output: q and k are normed (Qwen3) and rotated in
+        place, and k, v (side by side) go to the cache in one copy."""
         B, Q, _ = x.shape
-        qkv = self.qkv_proj(x)
-        v = qkv[..., self.q_size + self.kv_size :].view(B, Q, self.hkv, self.d)
+        h, hkv = self.h, self.hkv
+        qkv = self.qkv_proj(x).view(B, Q, h + 2 * hkv, self.d)
+        qk = qkv[:, :, : h + hkv]
         if self.q_norm is not None:
-            q, k = qkv[..., : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.view(B, Q, self.h, self.d)), cos, sin)
-            k = apply_rotary(self.k_norm(k.view(B, Q, self.hkv, self.d)), cos, sin)
-        else:  # rotate q and k heads in one go
-            qk = apply_rotary(qkv[..., : self.q_size + self.kv_size].view(B, Q, self.h + self.hkv, self.d), cos, sin)
-            q, k = qk[:, :, : self.h], qk[:, :, self.h :]
-        return self.o_proj(self.attn(q, k, v, ctx))
+            qk[:, :, :h] = self.q_norm(qk[:, :, :h])
+            qk[:, :, h:] = self.k_norm(qk[:, :, h:])
+        rotate_(qk, cos, sin)  # q and k heads in one go
+        return self.o_proj(self.attn(qkv[:, :, :h], qkv[:, :, h:].unflatten(2, (2, hkv)), ctx, cache))
 
 
 class LlamaMLP(nn.Module):
@@ -59,7 +59,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,8 +70,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, h, cos, sin, ctx):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+    def forward(self, h, cos, sin, ctx, cache=None):
+        """``cache``: this layer's KV cache tensor (``Attention.forward``)."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -111,10 +112,11 @@ class LlamaForCausalLM(nn.Module):
 
         The output of decoder layer i is HF's ``hidden_states[i + 1]`` (pre-norm residual stream)."""
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = self.rotary.rotation(ctx.positions_range or positions, h.dtype)
+        caches = ctx.kv.kv if ctx.kv is not None else [None] * len(self.model.layers)
         kept = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, ctx)
+            h = layer(h, cos, sin, ctx, caches[i])
             if aux_layers and i in aux_layers:
                 kept[i] = h
         return self.model.norm(h), [kept[i] for i in aux_layers]  # in the order asked for
