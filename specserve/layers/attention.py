@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import cpu_ops
+
 
 @dataclass
 class ForwardContext:
@@ -53,6 +55,12 @@ class Attention(nn.Module):
         self.gqa = num_heads != num_kv_heads
         self.float64 = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
 
+    def _ops(self, q, mask):
+        """The C++ ops where they apply to this forward (CPU, a head size of 8k, a bool mask), else None."""
+        if q.device.type != "cpu" or self.head_dim % 8 or (mask is not None and mask.dtype != torch.bool):
+            return None
+        return cpu_ops.active()
+
     def forward(self, q, kv, ctx: ForwardContext, cache: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Q, H, D], kv [B, Q, 2, Hkv, D] (keys, values; views of the q/k/v projection do) ->
         [B, Q, H*D]. ``cache``: this layer's ``ctx.kv.kv[layer_idx]`` (found here when not given)."""
@@ -70,8 +78,13 @@ class Attention(nn.Module):
             else:
                 rows = cache[ctx.slot_start : ctx.slot_start + B]
                 rows[ctx.flat_b, :, :, ctx.flat_w] = kv.reshape(B * Q, 2, self.num_kv_heads, self.head_dim)
-            src = cache[ctx.slot_start : ctx.slot_start + B, :, :, : ctx.kv_len]
             causal = ctx.is_causal
+            if self.float64 and (ops := self._ops(q, ctx.mask)) is not None:
+                # the C++ op: each row's float64 sums in one fixed order whatever shares the call, no cast
+                # of the cache (``specserve/csrc/cpu_ops.cpp``); the same semantics as the branch below
+                return ops.attention(q, cache, ctx.slot_start, ctx.kv_len, ctx.mask, causal, self.scale,
+                                     cpu_ops.PARALLEL_WORK)
+            src = cache[ctx.slot_start : ctx.slot_start + B, :, :, : ctx.kv_len]
         dtype = q.dtype
         q = q.transpose(1, 2)
         if self.float64:

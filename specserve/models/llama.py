@@ -10,6 +10,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup
+from specserve.layers import cpu_ops
 from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -75,6 +76,21 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, ops, vec, h, x, cos, sin, ctx, cache=None):
+        """``forward`` with the residual adds fused into the norms after them (bfloat16, C++ ops): takes
+        the residual stream ``h`` and the previous layer's MLP output ``x`` not yet added (None for the
+        first layer) and returns this layer's (h, x). The same bits as ``forward``: ``h + x`` is torch's
+        bfloat16 add and the norm ``RMSNorm``'s (``specserve/csrc/cpu_ops.cpp``)."""
+        ln = self.input_layernorm
+        if x is None:
+            normed = ops.rms_norm(h, ln.weight, ln.eps, vec)
+        else:
+            h, normed = ops.add_rms_norm(h, x, ln.weight, ln.eps, vec)
+        a = self.self_attn(normed, cos, sin, ctx, cache)
+        ln = self.post_attention_layernorm
+        h, normed = ops.add_rms_norm(h, a, ln.weight, ln.eps, vec)
+        return h, self.mlp(normed)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
@@ -115,6 +131,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.rotation(ctx.positions_range or positions, h.dtype)
         caches = ctx.kv.kv if ctx.kv is not None else [None] * len(self.model.layers)
         kept = {}
+        if (h.dtype == torch.bfloat16 and h.device.type == "cpu" and self.model.norm.weight.dtype == torch.bfloat16
+                and (ops := cpu_ops.active()) is not None):
+            # bfloat16 on CPU: each residual add fused into the norm after it (the same bits)
+            vec, x = cpu_ops.norm_vec_width(), None
+            for i, layer in enumerate(self.model.layers):
+                h, x = layer.forward_fused(ops, vec, h, x, cos, sin, ctx, caches[i])
+                if aux_layers and i in aux_layers:
+                    kept[i] = h + x
+            norm = self.model.norm
+            return ops.add_rms_norm(h, x, norm.weight, norm.eps, vec)[1], [kept[i] for i in aux_layers]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, ctx, caches[i])
             if aux_layers and i in aux_layers:

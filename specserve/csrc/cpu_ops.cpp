@@ -1,0 +1,417 @@
+// CPU ops of the bfloat16 decoding step (built on first use by specserve/layers/cpu_ops.py).
+//
+// attention: each output row (batch b, query i, head h) is computed in one fixed order that depends only
+// on that query, its head and the keys it sees (in cache order), never on how many other rows share the
+// call or where its keys sit in the cache: scores in float64 (products of bfloat16 or float32 values are
+// exact in float64) summed over the head dimension in 8 lanes (d mod 8) then a fixed tree, softmax in
+// float64 with the keys summed in order, the weighted value sum in float64 over the keys in order, and
+// one rounding to the output dtype (through float32, as torch's double -> bfloat16 copy rounds).
+//
+// add_rms_norm / rms_norm: bfloat16 rows; the residual add is torch's (float32 sum rounded once), the
+// norm reproduces F.rms_norm on a bfloat16 input bit for bit: float32 squares summed in the order of
+// torch's vectorized CPU sum (cascade_sum: 4 interleaved vector accumulators of ``vec`` lanes, then the
+// scalar tail, then the lanes in order), mean = sum / N, r = 1 / sqrt(mean + eps), bfloat16(x * r), then
+// the weight multiplied as torch multiplies two bfloat16 tensors.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+inline v8d load8(const at::BFloat16* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f f;
+  std::memcpy(&f, &u, sizeof(f));
+  return __builtin_convertvector(f, v8d);
+}
+
+inline v8d load8(const float* p) {
+  v8f f;
+  std::memcpy(&f, p, sizeof(f));
+  return __builtin_convertvector(f, v8d);
+}
+
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+// exp(x) for 8 values x <= 0 (relative error ~1e-16): x = n ln2 + r, |r| <= ln2 / 2, a degree-12 Taylor
+// polynomial of e^r, times 2^n; x < -708 gives 0. Branch-free, so it vectorizes; a pure function, so a
+// key's weight is the same whichever lanes it shares.
+inline v8d exp8(v8d x) {
+  const v8d magic = v8d{} + 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  const v8d t = x * 1.4426950408889634 + magic;
+  const v8d n = t - magic;
+  const v8d r = (x - n * 0.6931471805598903) - n * 5.497923018708371e-14;
+  v8d p = v8d{} + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  v8l bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits + 1023) << 52;
+  v8d scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const v8d y = p * scale;
+  return x < -708.0 ? v8d{} : y;
+}
+
+inline double hsum(v8d a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+inline void store_out(at::BFloat16* p, double x) { *p = at::BFloat16(static_cast<float>(x)); }
+inline void store_out(float* p, double x) { *p = static_cast<float>(x); }
+
+constexpr int64_t KEY_BLOCK = 64;   // keys converted to float64 at a time (stay in L1/L2)
+constexpr int64_t ROW_CHUNK = 32;   // query rows of one kv head per task
+constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
+
+struct AttnArgs {
+  int64_t B, Q, H, Hkv, G, D, L, cap, slot_start;
+  int64_t qs0, qs1, qs2;  // q strides (last dim contiguous)
+  const uint8_t* mask;     // nullptr or bool [B, 1, Q, L]
+  int64_t ms0, ms2, ms3;
+  bool causal;
+  double scale;
+};
+
+// rows [r0, r1) of kv head ``kvh`` of sequence ``b``: row r is query i = r / G, head h = kvh * G + r % G
+template <typename T, int NC>
+void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b, int64_t kvh, int64_t r0,
+               int64_t r1) {
+  const int64_t D = a.D, L = a.L, G = a.G, nr = r1 - r0;
+  const int64_t nc = NC > 0 ? NC : D / 8;
+  const int64_t i_max = (r1 - 1) / G;
+  const int64_t jend = a.causal ? std::min(L, i_max + 1) : L;
+  const T* K = cache + (((a.slot_start + b) * 2 + 0) * a.Hkv + kvh) * a.cap * D;
+  const T* V = cache + (((a.slot_start + b) * 2 + 1) * a.Hkv + kvh) * a.cap * D;
+
+  std::vector<v8d> qd(nr * nc), acc(nr * nc), buf(KEY_BLOCK * nc);
+  std::vector<double> s(nr * std::max<int64_t>((jend + 7) / 8 * 8, 8));
+  const int64_t sstride = std::max<int64_t>((jend + 7) / 8 * 8, 8);
+  std::vector<int64_t> qi(nr);
+  std::vector<const uint8_t*> mrow(nr);
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
+    qi[r] = i;
+    const T* qp = q + b * a.qs0 + i * a.qs1 + h * a.qs2;
+    for (int64_t c = 0; c < nc; ++c) qd[r * nc + c] = load8(qp + 8 * c);
+    mrow[r] = a.mask ? a.mask + b * a.ms0 + i * a.ms2 : nullptr;
+  }
+  const int64_t ms3 = a.ms3;
+
+  // scores
+  for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
+    const int64_t jn = std::min(KEY_BLOCK, jend - jb);
+    for (int64_t j = 0; j < jn; ++j)
+      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(K + (jb + j) * D + 8 * c);
+    for (int64_t r = 0; r < nr; ++r) {
+      const v8d* qv = &qd[r * nc];
+      double* sr = &s[r * sstride + jb];
+      const uint8_t* m = mrow[r];
+      const int64_t i = qi[r];
+      for (int64_t j = 0; j < jn; ++j) {
+        const bool vis = m ? m[(jb + j) * ms3] != 0 : (!a.causal || jb + j <= i);
+        if (!vis) {
+          sr[j] = NEG_INF;
+          continue;
+        }
+        const v8d* kv = &buf[j * nc];
+        v8d x = qv[0] * kv[0];
+        for (int64_t c = 1; c < nc; ++c) x += qv[c] * kv[c];
+        sr[j] = hsum(x) * a.scale;
+      }
+    }
+  }
+  // softmax: p = exp(s - max) for a visible key, -1 for a hidden one (-inf score); the sum of the p in
+  // key order is taken in the value pass
+  const int64_t jpad = (jend + 7) / 8 * 8;
+  std::vector<double> total(nr, 0.0);
+  for (int64_t r = 0; r < nr; ++r) {
+    double* sr = &s[r * sstride];
+    for (int64_t j = jend; j < jpad; ++j) sr[j] = NEG_INF;
+    v8d mxv = v8d{} + NEG_INF;
+    for (int64_t j = 0; j < jpad; j += 8) {
+      v8d x;
+      std::memcpy(&x, sr + j, sizeof(x));
+      mxv = x > mxv ? x : mxv;
+    }
+    double mx = NEG_INF;
+    for (int k = 0; k < 8; ++k) mx = std::max(mx, mxv[k]);
+    for (int64_t j = 0; j < jpad; j += 8) {
+      v8d x;
+      std::memcpy(&x, sr + j, sizeof(x));
+      v8d p = mx == NEG_INF ? v8d{} - 1.0 : exp8(x - mx);
+      p = x == NEG_INF ? v8d{} - 1.0 : p;
+      std::memcpy(sr + j, &p, sizeof(p));
+    }
+    for (int64_t c = 0; c < nc; ++c) acc[r * nc + c] = v8d{0, 0, 0, 0, 0, 0, 0, 0};
+  }
+  // weighted values (keys in order)
+  for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
+    const int64_t jn = std::min(KEY_BLOCK, jend - jb);
+    for (int64_t j = 0; j < jn; ++j)
+      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(V + (jb + j) * D + 8 * c);
+    for (int64_t r = 0; r < nr; ++r) {
+      const double* pr = &s[r * sstride + jb];
+      double tot = total[r];
+      v8d* ar = &acc[r * nc];
+      if (NC > 0) {
+        v8d reg[NC > 0 ? NC : 1];
+        for (int c = 0; c < NC; ++c) reg[c] = ar[c];
+        for (int64_t j = 0; j < jn; ++j) {
+          const double p = pr[j];
+          if (!(p >= 0.0)) continue;
+          tot += p;
+          const v8d* vv = &buf[j * nc];
+          for (int c = 0; c < NC; ++c) reg[c] += p * vv[c];
+        }
+        for (int c = 0; c < NC; ++c) ar[c] = reg[c];
+      } else {
+        for (int64_t j = 0; j < jn; ++j) {
+          const double p = pr[j];
+          if (!(p >= 0.0)) continue;
+          tot += p;
+          const v8d* vv = &buf[j * nc];
+          for (int64_t c = 0; c < nc; ++c) ar[c] += p * vv[c];
+        }
+      }
+      total[r] = tot;
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t i = qi[r], h = kvh * G + (r0 + r) % G;
+    T* op = out + ((b * a.Q + i) * a.H + h) * D;
+    const double sum = total[r];
+    for (int64_t c = 0; c < nc; ++c) {
+      const v8d x = acc[r * nc + c];
+      for (int k = 0; k < 8; ++k) store_out(op + 8 * c + k, sum > 0.0 ? x[k] / sum : 0.0);
+    }
+  }
+}
+
+template <typename T, int NC>
+void attn_run(const AttnArgs& a, const T* q, const T* cache, T* out, bool parallel) {
+  const int64_t R = a.Q * a.G;
+  const int64_t chunks = (R + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t ntasks = a.B * a.Hkv * chunks;
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t ch = t % chunks, kvh = (t / chunks) % a.Hkv, b = t / (chunks * a.Hkv);
+      attn_task<T, NC>(a, q, cache, out, b, kvh, ch * ROW_CHUNK, std::min(R, (ch + 1) * ROW_CHUNK));
+    }
+  };
+  if (parallel && ntasks > 1) {
+    at::parallel_for(0, ntasks, 1, run);
+  } else {
+    run(0, ntasks);
+  }
+}
+
+template <typename T>
+void attn_dispatch(const AttnArgs& a, const T* q, const T* cache, T* out, bool parallel) {
+  switch (a.D / 8) {
+    case 2: return attn_run<T, 2>(a, q, cache, out, parallel);
+    case 4: return attn_run<T, 4>(a, q, cache, out, parallel);
+    case 8: return attn_run<T, 8>(a, q, cache, out, parallel);
+    case 16: return attn_run<T, 16>(a, q, cache, out, parallel);
+    default: return attn_run<T, 0>(a, q, cache, out, parallel);
+  }
+}
+
+}  // namespace
+
+// q [B, Q, H, D] (last dim contiguous), cache [slots, 2, Hkv, cap, D] contiguous, mask bool [B, 1, Q, L]
+// or None -> [B, Q, H * D]. Work above ``parallel_work`` multiply-adds runs on the intra-op threads.
+at::Tensor attention(at::Tensor q, at::Tensor cache, int64_t slot_start, int64_t kv_len,
+                     c10::optional<at::Tensor> mask, bool causal, double scale, int64_t parallel_work) {
+  TORCH_CHECK(q.dim() == 4 && cache.dim() == 5, "attention: q [B, Q, H, D], cache [slots, 2, Hkv, cap, D]");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "attention: q and cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "attention: bf16 or f32");
+  if (q.stride(3) != 1) q = q.contiguous();
+  cache = cache.contiguous();  // a no-op for the KV cache
+  AttnArgs a{};
+  a.B = q.size(0);
+  a.Q = q.size(1);
+  a.H = q.size(2);
+  a.D = q.size(3);
+  a.Hkv = cache.size(2);
+  a.cap = cache.size(3);
+  a.L = kv_len;
+  a.slot_start = slot_start;
+  TORCH_CHECK(a.D % 8 == 0 && cache.size(4) == a.D && a.H % a.Hkv == 0, "attention: shapes");
+  TORCH_CHECK(slot_start + a.B <= cache.size(0) && kv_len <= a.cap && kv_len >= 0, "attention: cache range");
+  a.G = a.H / a.Hkv;
+  a.qs0 = q.stride(0);
+  a.qs1 = q.stride(1);
+  a.qs2 = q.stride(2);
+  a.causal = causal;
+  a.scale = scale;
+  at::Tensor m;
+  a.mask = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(-1) == kv_len, "attention: mask");
+    m = m.expand({a.B, 1, a.Q, kv_len});
+    a.mask = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    a.ms0 = m.stride(0);
+    a.ms2 = m.stride(2);
+    a.ms3 = m.stride(3);
+    a.causal = false;
+  }
+  auto out = at::empty({a.B, a.Q, a.H * a.D}, q.options());
+  const bool parallel = at::get_num_threads() > 1 && a.B * a.Q * a.H * a.L * a.D >= parallel_work;
+  if (q.scalar_type() == at::kBFloat16) {
+    attn_dispatch(a, q.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                  parallel);
+  } else {
+    attn_dispatch(a, q.data_ptr<float>(), cache.data_ptr<float>(), out.data_ptr<float>(), parallel);
+  }
+  return out;
+}
+
+namespace {
+
+// torch's float32 sum of a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum,
+// row_sum, multi_row_sum) with Vectorized<float> of ``W`` lanes
+template <int W>
+float torch_row_sum(const float* x, int64_t n) {
+  using Vec = std::array<float, W>;
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t vec_size = n / W;
+  const int64_t size = vec_size / ilp;  // rows of ilp vectors
+  auto add = [](Vec& acc, const float* p) {
+    for (int k = 0; k < W; ++k) acc[k] += p[k];
+  };
+  auto addv = [](Vec& acc, const Vec& v) {
+    for (int k = 0; k < W; ++k) acc[k] += v[k];
+  };
+  Vec zero{};
+  std::array<std::array<Vec, ilp>, levels> acc;
+  for (auto& l : acc)
+    for (auto& v : l) v = zero;
+  int64_t ceil_log2 = 1;
+  if (size > 2) {
+    ceil_log2 = 64 - __builtin_clzll(static_cast<uint64_t>(size - 1));
+  }
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / levels);
+  const int64_t level_step = int64_t(1) << level_power;
+  const int64_t level_mask = level_step - 1;
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int64_t k = 0; k < ilp; ++k) add(acc[0][k], x + (i * ilp + k) * W);
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        addv(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = zero;
+      }
+      const int64_t mask = level_mask << (j * level_power);
+      if ((i & mask) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int64_t k = 0; k < ilp; ++k) add(acc[0][k], x + (i * ilp + k) * W);
+  for (int64_t j = 1; j < levels; ++j)
+    for (int64_t k = 0; k < ilp; ++k) addv(acc[0][k], acc[j][k]);
+  Vec part = acc[0][0];
+  for (int64_t v = size * ilp; v < vec_size; ++v) add(part, x + v * W);
+  for (int64_t k = 1; k < ilp; ++k) addv(part, acc[0][k]);
+  float final_acc = 0.f;
+  for (int64_t t = vec_size * W; t < n; ++t) final_acc += x[t];
+  for (int k = 0; k < W; ++k) final_acc += part[k];
+  return final_acc;
+}
+
+inline float bf(at::BFloat16 v) { return static_cast<float>(v); }
+
+// one row: ``src`` (bfloat16 values as float32) -> normed (bfloat16)
+void norm_row(const float* xf, float* sq, const at::BFloat16* w, at::BFloat16* out, int64_t n, float eps,
+              int64_t vec) {
+  for (int64_t k = 0; k < n; ++k) sq[k] = xf[k] * xf[k];
+  const float sum = vec == 16 ? torch_row_sum<16>(sq, n) : torch_row_sum<8>(sq, n);
+  const float mean = sum / static_cast<float>(n);
+  const float r = 1.0f / std::sqrt(mean + eps);
+  for (int64_t k = 0; k < n; ++k) {
+    const float y = bf(at::BFloat16(xf[k] * r));
+    out[k] = at::BFloat16(bf(w[k]) * y);
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "rms_norm: bfloat16 only");
+  TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: weight size");
+}
+
+}  // namespace
+
+std::vector<at::Tensor> add_rms_norm(at::Tensor residual, at::Tensor x, at::Tensor weight, double eps,
+                                     int64_t vec) {
+  check_rows(residual, weight);
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "add_rms_norm: shapes");
+  residual = residual.contiguous();
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto new_res = at::empty_like(residual, at::MemoryFormat::Contiguous);
+  auto normed = at::empty_like(residual, at::MemoryFormat::Contiguous);
+  const int64_t n = weight.size(0), rows = residual.numel() / std::max<int64_t>(n, 1);
+  const auto* pr = residual.data_ptr<at::BFloat16>();
+  const auto* px = x.data_ptr<at::BFloat16>();
+  const auto* pw = weight.data_ptr<at::BFloat16>();
+  auto* po = new_res.data_ptr<at::BFloat16>();
+  auto* pn = normed.data_ptr<at::BFloat16>();
+  std::vector<float> xf(n), sq(n);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t k = 0; k < n; ++k) {
+      const at::BFloat16 s(bf(pr[row * n + k]) + bf(px[row * n + k]));
+      po[row * n + k] = s;
+      xf[k] = bf(s);
+    }
+    norm_row(xf.data(), sq.data(), pw, pn + row * n, n, static_cast<float>(eps), vec);
+  }
+  return {new_res, normed};
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t vec) {
+  check_rows(x, weight);
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto normed = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t n = weight.size(0), rows = x.numel() / std::max<int64_t>(n, 1);
+  const auto* px = x.data_ptr<at::BFloat16>();
+  const auto* pw = weight.data_ptr<at::BFloat16>();
+  auto* pn = normed.data_ptr<at::BFloat16>();
+  std::vector<float> xf(n), sq(n);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t k = 0; k < n; ++k) xf[k] = bf(px[row * n + k]);
+    norm_row(xf.data(), sq.data(), pw, pn + row * n, n, static_cast<float>(eps), vec);
+  }
+  return normed;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, "batch-invariant float64 attention over a slot KV cache");
+  m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");
+}

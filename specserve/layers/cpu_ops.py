@@ -1,0 +1,115 @@
+"""The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
+float64 attention over the slot KV cache and the fused residual add + RMSNorm.
+
+Built with ``torch.utils.cpp_extension.load`` on first use (about a minute) into the specserve cache
+(``cache_root() / "torch_ext"``), so later processes load it at once. Plain ``-O3``, plus
+``-mavx512f -mavx512bf16`` only where this CPU has them (checked at run time): the build directory is
+named after the variant. Where the build fails (no compiler) or ``SPECSERVE_NO_EXT=1`` is set, ``get``
+returns None and the callers use their PyTorch code (one log line says so). ``ENABLED`` (module flag)
+switches the ops off in a running process (benchmarks compare both ways)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENABLED = True  # False: callers take their PyTorch path (``get`` still loads)
+PARALLEL_WORK = 1 << 21  # attention over more multiply-adds than this runs on the intra-op threads
+
+_lock = threading.Lock()
+_state: dict = {}  # "ops": the loaded module or None once tried
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _variant() -> tuple[str, list[str]]:
+    """(name suffix, extra compile flags): AVX-512 code only where torch and the CPU say it runs."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = _cpu_flags()
+    if cap.startswith("AVX512") and {"avx512f", "avx512_bf16"} <= flags:
+        return "avx512", ["-mavx512f", "-mavx512bf16"]
+    return "generic", []
+
+
+def norm_vec_width() -> int:
+    """Lanes of the float32 sum order of torch's CPU ``sum`` (``Vectorized<float>`` in its reduction
+    kernels: 8 on the AVX2 and AVX512 builds seen so far), which the norm ops reproduce: probed once
+    against ``F.rms_norm`` (8 where neither width matches every row: still one fixed order per row)."""
+    if "vec" not in _state:
+        import torch.nn.functional as F
+
+        ops, width = get(), 8
+        if ops is not None:
+            g = torch.Generator().manual_seed(0)
+            x = (torch.randn(64, 1000, generator=g) * torch.rand(64, 1, generator=g) * 8).to(torch.bfloat16)
+            w = torch.ones(1000, dtype=torch.bfloat16)
+            want = F.rms_norm(x, (1000,), None, 1e-5)
+            for v in (8, 16):
+                if torch.equal(ops.rms_norm(x, w, 1e-5, v), want):
+                    width = v
+                    break
+            else:
+                logger.info("specserve rms_norm op: no sum order matches F.rms_norm here (rare last-bit differences)")
+        _state["vec"] = width
+    return _state["vec"]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    from specserve.models.loader import cache_root
+
+    src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
+    suffix, flags = _variant()
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    build_dir = cache_root() / "torch_ext" / tag / f"cpu_ops_{suffix}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"specserve_cpu_ops_{suffix}",
+        sources=[str(src)],
+        extra_cflags=["-O3", "-fno-math-errno", *flags],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def get():
+    """The extension module, built or loaded on the first call (once per process), or None."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            ops = None
+            if os.environ.get("SPECSERVE_NO_EXT", "") not in ("", "0"):
+                logger.info("specserve C++ CPU ops disabled (SPECSERVE_NO_EXT): using the PyTorch fallback")
+            else:
+                try:
+                    ops = _build()
+                except Exception as e:  # no compiler, no headers, a failed build: the fallback
+                    last = (str(e).strip().splitlines() or [""])[-1]
+                    logger.warning("specserve C++ CPU ops unavailable (%s: %s): using the PyTorch fallback",
+                                   type(e).__name__, last)
+            _state["ops"] = ops
+    return _state["ops"]
+
+
+def active():
+    """The extension module when it is loaded and ``ENABLED``, else None (callers fall back)."""
+    if not ENABLED:
+        return None
+    return get()

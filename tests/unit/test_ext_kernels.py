@@ -1,0 +1,130 @@
+"""The C++ CPU ops (specserve/csrc/cpu_ops.cpp): float64 attention against SDPA in float64, each row's
+bits whatever shares the call, the fused residual add + RMSNorm against ``RMSNorm``, and the PyTorch
+fallback under SPECSERVE_NO_EXT=1. The extension is built on first use (once, into the specserve cache)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.layers import cpu_ops
+from specserve.layers.norm import RMSNorm
+
+ops = cpu_ops.get()
+needs_ext = pytest.mark.skipif(ops is None, reason="the C++ extension did not build here (the fallback runs)")
+H, HKV, D = 9, 3, 64
+SCALE = D**-0.5
+
+
+def _reference(q, cache, slot, L, mask, causal):
+    """Attention.forward's float64 branch."""
+    B, Q = q.shape[:2]
+    k, v = cache[slot : slot + B, :, :, :L].double().unbind(1)
+    am = None if mask is None else torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).double(), k, v, attn_mask=am, is_causal=causal,
+                                         scale=SCALE, enable_gqa=True)
+    return out.transpose(1, 2).to(q.dtype).reshape(B, Q, -1)
+
+
+def _attn(q, cache, slot, L, mask=None, causal=False, parallel_work=cpu_ops.PARALLEL_WORK):
+    return ops.attention(q, cache, slot, L, mask, causal, SCALE, parallel_work)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_matches_float64_sdpa(dtype):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 2, HKV, 1024, D, generator=g).to(dtype)
+    same = total = 0
+    for B, Q, L, masked, causal in [(1, 1, 60, False, False), (1, 16, 500, False, False), (3, 5, 200, True, False),
+                                    (1, 40, 40, False, True), (2, 7, 1000, True, False)]:
+        q = torch.randn(B, Q, H, D, generator=g).to(dtype)
+        mask = None
+        if masked:
+            mask = torch.rand(B, 1, Q, L, generator=g) < 0.6
+            mask[..., 0] = True
+        got, want = _attn(q, cache, 1, L, mask, causal), _reference(q, cache, 1, L, mask, causal)
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2
+        same += (got == want).sum().item()
+        total += got.numel()
+    assert same / total > 0.999
+
+
+@needs_ext
+def test_attention_row_has_the_same_bits_whatever_shares_the_call():
+    g = torch.Generator().manual_seed(1)
+    P, K = 50, 16
+    cache = torch.zeros(4, 2, HKV, 256, D, dtype=torch.bfloat16)
+    ctx = torch.randn(2, HKV, P + K, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, K, H, D, generator=g).to(torch.bfloat16)
+    for slot in range(3):
+        cache[slot, :, :, : P + K] = ctx
+    # one token at a time (no mask: keys [0, P + i])
+    singles = torch.cat([_attn(q[:, i : i + 1], cache, 0, P + i + 1) for i in range(K)], 1)
+    # a chain of K with its causal mask, on the calling thread and on the intra-op threads
+    chain_mask = torch.ones(1, 1, K, P + K, dtype=torch.bool).tril(P)
+    for work in (cpu_ops.PARALLEL_WORK, 0):
+        assert torch.equal(_attn(q, cache, 0, P + K, chain_mask, parallel_work=work), singles)
+    # a prefill (causal, no mask) of the whole context: its last K rows
+    qp = torch.cat([torch.randn(1, P, H, D, generator=g).to(torch.bfloat16), q], 1)
+    assert torch.equal(_attn(qp, cache, 0, P + K, causal=True)[:, P:], singles)
+    # a batch of 3 sequences (slots 1..3) with masks: row i of sequence 1 sees keys [0, P + i]
+    other = torch.randn(3, K, H, D, generator=g).to(torch.bfloat16)
+    other[1] = q[0]
+    mask3 = torch.rand(3, 1, K, P + K, generator=g) < 0.5
+    mask3[1] = chain_mask[0]
+    assert torch.equal(_attn(other, cache, 0, P + K, mask3)[1:2], singles)
+    # a tree: node i sees the context and its ancestors, stored at other cache offsets than in a chain
+    # (nodes 0, 2, 4, ... form one path; the others are siblings in between)
+    tree_q = torch.zeros(1, 2 * K, H, D, dtype=torch.bfloat16)
+    tree_cache = cache.clone()
+    tree_mask = torch.zeros(1, 1, 2 * K, P + 2 * K, dtype=torch.bool)
+    tree_mask[..., :P] = True
+    sib = torch.randn(2, HKV, K, D, generator=g).to(torch.bfloat16)
+    for i in range(K):
+        tree_q[0, 2 * i] = q[0, i]
+        tree_q[0, 2 * i + 1] = torch.randn(H, D, generator=g).to(torch.bfloat16)
+        tree_cache[0, :, :, P + 2 * i] = ctx[:, :, P + i]
+        tree_cache[0, :, :, P + 2 * i + 1] = sib[:, :, i]
+        tree_mask[0, 0, 2 * i, P : P + 2 * i + 1 : 2] = True
+        tree_mask[0, 0, 2 * i + 1, P + 2 * i + 1] = True
+    out = _attn(tree_q, tree_cache, 0, P + 2 * K, tree_mask)
+    assert torch.equal(out[:, 0::2], singles)
+
+
+@needs_ext
+@pytest.mark.parametrize("n", [64, 100, 576, 1536, 2048])
+def test_norm_ops_equal_rms_norm_bit_for_bit(n):
+    g = torch.Generator().manual_seed(n)
+    vec = cpu_ops.norm_vec_width()
+    norm = RMSNorm(n, 1e-5, torch.bfloat16)
+    norm.weight.data = torch.randn(n, generator=g).to(torch.bfloat16)
+    for rows in (1, 3, 16, 300):
+        res = (torch.randn(1, rows, n, generator=g) * 3).to(torch.bfloat16)
+        x = (torch.randn(1, rows, n, generator=g) * torch.rand(1, rows, 1, generator=g) * 5).to(torch.bfloat16)
+        new_res, normed = ops.add_rms_norm(res, x, norm.weight, norm.eps, vec)
+        assert torch.equal(new_res, res + x)
+        assert torch.equal(normed, norm(res + x))
+        assert torch.equal(ops.rms_norm(x, norm.weight, norm.eps, vec), norm(x))
+        # each row alone gives its bits in the batch
+        assert torch.equal(ops.rms_norm(x[:, :1], norm.weight, norm.eps, vec), ops.rms_norm(x, norm.weight, norm.eps, vec)[:, :1])
+
+
+def test_fallback_is_taken_under_SPECSERVE_NO_EXT():
+    code = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from specserve.layers import cpu_ops\n"
+        "from specserve.layers.attention import Attention\n"
+        "assert cpu_ops.get() is None and cpu_ops.active() is None\n"
+        "a = Attention(0, 4, 2, 16)\n"
+        "assert a._ops(torch.zeros(1, 1, 4, 16), None) is None\n"
+        "print('fallback ok')\n"
+    )
+    env = dict(os.environ, SPECSERVE_NO_EXT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fallback ok" in out.stdout and "SPECSERVE_NO_EXT" in out.stderr
