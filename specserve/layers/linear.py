@@ -153,6 +153,8 @@ class PackedGEMM:
         return packed_or_dense_linear(x, self.packed, self.weight, bias)
 
     def _matmul(self, x, bias=None):
+        if self.qkernel is not None and not self.row_block:  # any row count at once (rows_invariant)
+            return self.qkernel(x, bias)
         return in_row_blocks(lambda rows: self.dense_matmul(rows, bias), x, self.row_block, self.pad_lone_row)
 
 

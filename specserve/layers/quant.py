@@ -156,16 +156,21 @@ class QuantKernel:
             return
         offset = qt.offset if qt.offset is not None else torch.zeros_like(qt.scale)
         if qt.bits == 4:
-            codes, scale, zero = qt.codes.to(torch.int32), qt.scale, offset + 8 * qt.scale
+            scale, zero = qt.scale, offset + 8 * qt.scale
         else:  # two 4-bit halves: hi (scale 16 s, zero 0) then lo (scale s, zero 8 s + offset)
-            c = qt.codes.to(torch.int32)
-            codes = torch.cat([(c >> 4) + 8, c & 15], dim=1)
             scale = torch.cat([16 * qt.scale, qt.scale], dim=1)
             zero = torch.cat([torch.zeros_like(offset), offset + 8 * qt.scale], dim=1)
             self.twice = True
         self.group = qt.group
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        self.weight = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(self._codes4(qt.codes[i : i + 4096]), 1)
+                                 for i in range(0, qt.shape[0], 4096)])  # in row blocks: a small int32 copy
         self.scales = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
+
+    def _codes4(self, codes: torch.Tensor) -> torch.Tensor:
+        """The 4-bit kernel's codes (0..15, int32) of some rows of ``codes``: as they are, or the hi and
+        lo halves of 8-bit codes side by side."""
+        c = codes.to(torch.int32)
+        return torch.cat([(c >> 4) + 8, c & 15], dim=1) if self.twice else c.contiguous()
 
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
         """[M, K] bfloat16, contiguous -> [M, N] bfloat16."""
