@@ -43,13 +43,13 @@ class LlamaAttention(nn.Module):
         place, and k, v (side by side) go to the cache in one copy."""
         B, Q, _ = x.shape
         h, hkv = self.h, self.hkv
-        qkv = self.qkv_proj(x).view(B, Q, h + 2 * hkv, self.d)
+        qkv = self.qkv_proj.forward(x).view(B, Q, h + 2 * hkv, self.d)  # .forward: no nn.Module call overhead
         qk = qkv[:, :, : h + hkv]
         if self.q_norm is not None:
             qk[:, :, :h] = self.q_norm(qk[:, :, :h])
             qk[:, :, h:] = self.k_norm(qk[:, :, h:])
         rotate_(qk, cos, sin)  # q and k heads in one go
-        return self.o_proj(self.attn(qkv[:, :, :h], qkv[:, :, h:].unflatten(2, (2, hkv)), ctx, cache))
+        return self.o_proj.forward(self.attn.forward(qkv[:, :, :h], qkv[:, :, h:].unflatten(2, (2, hkv)), ctx, cache))
 
 
 class LlamaMLP(nn.Module):
@@ -59,8 +59,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate, inplace=True) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,10 +86,10 @@ class LlamaDecoderLayer(nn.Module):
             normed = ops.rms_norm(h, ln.weight, ln.eps, vec)
         else:
             h, normed = ops.add_rms_norm(h, x, ln.weight, ln.eps, vec)
-        a = self.self_attn(normed, cos, sin, ctx, cache)
+        a = self.self_attn.forward(normed, cos, sin, ctx, cache)  # .forward: no nn.Module call overhead
         ln = self.post_attention_layernorm
         h, normed = ops.add_rms_norm(h, a, ln.weight, ln.eps, vec)
-        return h, self.mlp(normed)
+        return h, self.mlp.forward(normed)
 
 
 class LlamaModel(nn.Module):
