@@ -162,8 +162,9 @@ class QuantKernel:
             zero = torch.cat([torch.zeros_like(offset), offset + 8 * qt.scale], dim=1)
             self.twice = True
         self.group = qt.group
-        self.weight = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(self._codes4(qt.codes[i : i + 4096]), 1)
-                                 for i in range(0, qt.shape[0], 4096)])  # in row blocks: a small int32 copy
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        self.weight = torch.cat([pack(self._codes4(qt.codes[i : i + 4096]), 1)  # in row blocks: small int32 copies
+                                 for i in range(0, qt.shape[0], 4096)])
         self.scales = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
 
     def _codes4(self, codes: torch.Tensor) -> torch.Tensor:

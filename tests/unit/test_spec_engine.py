@@ -171,12 +171,15 @@ def test_tree_compaction_equals_plain_cache(tiny_llama):
     assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_ngram_distribution_matches_plain_sampling(small_vocab_model):
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantization):
     """Temperature 1: the first 4 tokens sampled with n-gram drafting have the distribution of plain
-    sampling (two-sample chi-square over 2,000 seeded samples each)."""
-    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
-    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    sampling (two-sample chi-square over 2,000 seeded samples each), with dense float32 weights and with
+    int4 weights (the rejection sampler over a quantized target)."""
+    kw = dict(model=str(small_vocab_model), max_num_seqs=64, quantization=quantization,
+              dtype="auto" if quantization else "float32")
+    plain = LLM(**kw)
+    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     a = sample_prefixes(plain, 2000, 0, k=4)
     b = sample_prefixes(spec, 2000, 100_000, k=4)
     m = spec.get_metrics()
