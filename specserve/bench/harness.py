@@ -584,16 +584,10 @@ def resolve_format(dtype: str, quantization: str | None, model=None, device: str
     if quantization is not None and quantization not in QUANTIZATION_NAMES:
         raise BenchError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATION_NAMES)}")
     is_gguf = model_gguf_path(model) is not None
-    resolve_q = getattr(mr, "resolve_quantization", None)
-    if resolve_q is not None:
-        try:
-            q = resolve_q(quantization, dtype, is_gguf, device)
-        except ValueError as e:
-            raise BenchError(f"--quantization {quantization}: {e}") from None
-    else:  # an engine without weight-only quantization: dense only
-        q = None if quantization in (None, "none", "auto") else quantization
-        if q is not None:
-            raise BenchError(f"--quantization {quantization}: this engine runs dense weights only")
+    try:
+        q = mr.resolve_quantization(quantization, dtype, is_gguf, device)
+    except ValueError as e:
+        raise BenchError(f"--quantization {quantization}: {e}") from None
     dt = mr.resolve_dtype("bfloat16" if q and dtype == "auto" else dtype, device)
     return str(dt).removeprefix("torch."), q
 

@@ -171,3 +171,38 @@ def test_quantized_greedy_speculative_identical_to_plain(tiny_llama, scheme, spe
     assert out == ref
     m = llm.get_metrics()
     assert m["num_accepted_tokens"] > 0 and m["num_draft_tokens"] > m["num_accepted_tokens"]
+
+
+def test_gguf_reader_reads_tensors_and_names_a_truncated_file(tmp_path):
+    """Our GGUF reader against gguf-py's writer: metadata, tensor types, shapes and bytes; a file cut
+    short fails with its name and the tensor that runs past the end."""
+    import gguf
+
+    from specserve.models.gguf import read_gguf
+
+    w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    q41 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.add_tensor("blk.0.ffn_up.weight", q41, raw_shape=q41.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("output_norm.weight", np.ones(96, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta, tensors = read_gguf(path)
+    assert meta["llama.block_count"] == 1 and meta["tokenizer.ggml.tokens"] == ["a", "b", "c"]
+    by_name = {t.name: t for t in tensors}
+    up = by_name["blk.0.ffn_up.weight"]
+    assert up.tensor_type == gguf.GGMLQuantizationType.Q4_1 and up.shape == (96, 64)
+    assert np.array_equal(np.asarray(up.data), q41)
+    assert np.array_equal(np.asarray(by_name["output_norm.weight"].data), np.ones(96, dtype=np.float32))
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[:-200])
+    with pytest.raises(ValueError, match="short.gguf: tensor .* runs past the end"):
+        read_gguf(short)
+    (tmp_path / "head.gguf").write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="head.gguf: truncated GGUF header"):
+        read_gguf(tmp_path / "head.gguf")
