@@ -22,6 +22,7 @@ from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
 from specserve.layers.attention import Attention, ForwardContext
+from specserve.layers import cpu_ops
 from specserve.layers.embed_head import VocabParallelEmbedding
 from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
 from specserve.layers.quant import PendingQuant, QuantTensor, quantize, rows_invariant
@@ -221,6 +222,8 @@ class ModelRunner:
         # (float32 needs no help: its row differences, ~5e-5 in the logits, do not move greedy tokens
         # in practice)
         self.batch_invariant = (self.packed and self.dtype != torch.float32) or bool(self.quantization)
+        if device == "cpu" and self.dtype == torch.bfloat16:
+            cpu_ops.get()  # built (once) or loaded now, not inside the first request
         if self.batch_invariant:
             make_batch_invariant(self.model)
         cfg = self.config

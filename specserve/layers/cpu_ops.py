@@ -10,6 +10,7 @@ switches the ops off in a running process (benchmarks compare both ways)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -17,6 +18,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from specserve.models.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +75,16 @@ def norm_vec_width() -> int:
 def _build():
     from torch.utils import cpp_extension
 
-    from specserve.models.loader import cache_root
-
     src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
     suffix, flags = _variant()
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    build_dir = cache_root() / "torch_ext" / tag / f"cpu_ops_{suffix}"
+    # one build per source location: the build files name the source's path, so two checkouts sharing
+    # the cache would otherwise rebuild each other's
+    where = hashlib.sha256(str(src).encode()).hexdigest()[:10]
+    build_dir = cache_root() / "torch_ext" / tag / f"cpu_ops_{suffix}_{where}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.warning("specserve: compiling its C++ CPU ops into %s (once, ~30 s)", build_dir)
     return cpp_extension.load(
         name=f"specserve_cpu_ops_{suffix}",
         sources=[str(src)],
