@@ -21,8 +21,8 @@ import torch
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
-from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers import cpu_ops
+from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import VocabParallelEmbedding
 from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
 from specserve.layers.quant import PendingQuant, QuantTensor, quantize, rows_invariant
