@@ -572,7 +572,8 @@ def _comma_list(spec: str | list[str]) -> list[str]:
     return [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x and x.strip()]
 
 
-def resolve_format(dtype: str, quantization: str | None, model=None, device: str = "cpu") -> tuple[str, str | None]:
+def resolve_format(dtype: str, quantization: str | None, model=None, device: str = "cpu",
+                   tensor_parallel_size: int = 1) -> tuple[str, str | None]:
     """The concrete (dtype name, quantization) that ``LLM(model, dtype=dtype, quantization=quantization)``
     runs on ``device``: the engine's own rules (``model_runner.resolve_quantization``: "auto" is a
     GGUF's own quantization unless float32 is asked for, dense for an HF directory; an "auto" dtype is
@@ -585,7 +586,7 @@ def resolve_format(dtype: str, quantization: str | None, model=None, device: str
         raise BenchError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATION_NAMES)}")
     is_gguf = model_gguf_path(model) is not None
     try:
-        q = mr.resolve_quantization(quantization, dtype, is_gguf, device)
+        q = mr.resolve_quantization(quantization, dtype, is_gguf, device, tensor_parallel_size)
     except ValueError as e:
         raise BenchError(f"--quantization {quantization}: {e}") from None
     dt = mr.resolve_dtype("bfloat16" if q and dtype == "auto" else dtype, device)
@@ -593,7 +594,7 @@ def resolve_format(dtype: str, quantization: str | None, model=None, device: str
 
 
 def parse_formats(dtypes: str | list[str], quantizations: str | list[str], model=None,
-                  device: str = "cpu") -> list[tuple[str, str | None]]:
+                  device: str = "cpu", tensor_parallel_size: int = 1) -> list[tuple[str, str | None]]:
     """Every (dtype, quantization) pair of two comma lists, resolved (``resolve_format``), in the
     order dtype by dtype, duplicates dropped."""
     ds, qs = _comma_list(dtypes), _comma_list(quantizations)
@@ -601,7 +602,7 @@ def parse_formats(dtypes: str | list[str], quantizations: str | list[str], model
         raise BenchError("no dtype given")
     if not qs:
         raise BenchError("no quantization given")
-    return list(dict.fromkeys(resolve_format(d, q, model, device) for d in ds for q in qs))
+    return list(dict.fromkeys(resolve_format(d, q, model, device, tensor_parallel_size) for d in ds for q in qs))
 
 
 def weights_label(quantization: str | None, gguf_type: str | None = None) -> str:
@@ -650,7 +651,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         _check(r, model=model, device=device, tensor_parallel_size=tensor_parallel_size)
     if device != "cpu" and tensor_parallel_size > 1:
         raise BenchError("--tensor-parallel-size > 1 runs gloo processes on CPU: use --device cpu")
-    groups = parse_formats(dtypes, quantizations, model, device)
+    groups = parse_formats(dtypes, quantizations, model, device, tensor_parallel_size)
     if max_tokens < 1:
         raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
     if temperature < 0:

@@ -18,9 +18,9 @@ from collections import deque
 import torch
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device
+from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device, resolve_quantization
 from specserve.engine.sequence import Sequence, Status
-from specserve.models.loader import resolve_model_dir
+from specserve.models.loader import gguf_source, resolve_model_dir
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import TreeBuffers, TreeCache, verify_tree_greedy, verify_tree_sample
@@ -47,6 +47,9 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
+            # before any worker starts: what a sharded model can run (``resolve_quantization``)
+            resolve_quantization(cfg.quantization, cfg.dtype, gguf_source(self.model_dir) is not None, device,
+                                 cfg.tensor_parallel_size)
             self.runner = TPRunner(self.model_dir, cfg.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs,
                                    cfg.num_threads, cfg.quantization)
         else:

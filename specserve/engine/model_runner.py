@@ -72,15 +72,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device: str = "cpu") -> str | None:
-    """``auto``: a GGUF's own quantization (``gguf``) on CPU unless float32 is asked for, else None
-    (dense). ``gguf`` needs a GGUF; any quantization runs on CPU only (torch's weight-only kernels)."""
+def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device: str = "cpu",
+                         tensor_parallel_size: int = 1) -> str | None:
+    """``auto``: a GGUF's own quantization (``gguf``) on CPU unless float32 is asked for or the model is
+    sharded, else None (dense). ``gguf`` needs a GGUF; any quantization runs on CPU only (torch's
+    weight-only kernels). Under tensor parallelism, bfloat16 (and so quantized weights) gives wrong
+    tokens in the batch-invariant mode (a known bug, found while adding quantization, not yet fixed):
+    sharded models run dense float32, and asking for bfloat16 or a quantization with them is an error."""
     q = None if quantization in (None, "none") else quantization
     if q not in (None, "auto", "gguf", "int8", "int4"):
         raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {quantization!r}")
+    if tensor_parallel_size > 1 and (q not in (None, "auto") or dtype in ("bfloat16", "bf16", torch.bfloat16)):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs dense float32 weights only for now "
+                         f"(bfloat16 and quantized weights give wrong tokens when sharded: a known bug); "
+                         f"got dtype={dtype!r}, quantization={quantization!r}")
     if q == "auto":
         wants_fp32 = dtype in ("float32", "fp32", torch.float32)
-        return "gguf" if is_gguf and device == "cpu" and not wants_fp32 else None
+        return "gguf" if is_gguf and device == "cpu" and not wants_fp32 and tensor_parallel_size == 1 else None
     if q == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a .gguf model (an HF directory takes int8 or int4)")
     if q and device != "cpu":
@@ -201,7 +209,8 @@ class ModelRunner:
         self.model_dir = model_dir
         self.tp = tp or TPGroup()
         self.device = device = resolve_device(device)
-        self.quantization = resolve_quantization(quantization, dtype, gguf_source(model_dir) is not None, device)
+        self.quantization = resolve_quantization(quantization, dtype, gguf_source(model_dir) is not None, device,
+                                                 self.tp.size)
         self.dtype = resolve_dtype("bfloat16" if self.quantization and dtype == "auto" else dtype, device)
         self.config: ModelConfig = read_config(model_dir)
         with torch.device("cpu"):
