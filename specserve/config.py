@@ -229,7 +229,8 @@ class SpeculativeConfig:
 # "auto": a GGUF runs in its own quantization (``gguf``), an HF directory unquantized; None / "none":
 # dense weights (a GGUF dequantized at load); "int8": every weight int8 per output channel; "int4":
 # linears int4 in groups of 32, embedding / LM head int8 per output channel (``layers.quant``)
-QUANTIZATIONS = ("auto", None, "none", "gguf", "int8", "int4")
+QUANTIZATION_NAMES = ("auto", "none", "gguf", "int8", "int4")  # as written on the command line
+QUANTIZATIONS = (None, *QUANTIZATION_NAMES)  # as LLM takes them
 
 
 @dataclass

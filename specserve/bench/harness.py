@@ -57,6 +57,7 @@ from typing import Callable
 
 import torch
 
+from specserve.config import QUANTIZATION_NAMES
 from specserve.models.gguf import read_gguf
 from specserve.models.loader import gguf_source
 from specserve.spec_decode.ngram import POOLED_BRANCHES
@@ -554,7 +555,7 @@ def parse_methods(spec: str | list[str]) -> list[str]:
 def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
     from specserve.engine.model_runner import DTYPES, resolve_dtype
 
-    names = _comma_list(spec)
+    names = comma_list(spec)
     if not names:
         raise BenchError("no dtype given")
     out = []
@@ -565,10 +566,7 @@ def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
     return list(dict.fromkeys(out))
 
 
-QUANTIZATION_NAMES = ("auto", "none", "gguf", "int8", "int4")
-
-
-def _comma_list(spec: str | list[str]) -> list[str]:
+def comma_list(spec: str | list[str]) -> list[str]:
     return [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x and x.strip()]
 
 
@@ -597,7 +595,7 @@ def parse_formats(dtypes: str | list[str], quantizations: str | list[str], model
                   device: str = "cpu", tensor_parallel_size: int = 1) -> list[tuple[str, str | None]]:
     """Every (dtype, quantization) pair of two comma lists, resolved (``resolve_format``), in the
     order dtype by dtype, duplicates dropped."""
-    ds, qs = _comma_list(dtypes), _comma_list(quantizations)
+    ds, qs = comma_list(dtypes), comma_list(quantizations)
     if not ds:
         raise BenchError("no dtype given")
     if not qs:

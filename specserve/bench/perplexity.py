@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.harness import BenchError, model_gguf_path
+from specserve.bench.harness import BenchError, comma_list, model_gguf_path
+from specserve.config import QUANTIZATION_NAMES
 
 DEFAULT_TEXT = "chitchat-heldout"
 CONTEXT = 1024  # tokens per window
@@ -39,7 +40,6 @@ MAX_TOKENS = 4096  # tokens of text evaluated by default
 # format name -> (dtype, quantization) given to LLM
 FORMATS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
            "int4": ("auto", "int4"), "gguf": ("auto", "gguf")}
-QUANTIZATIONS = ("none", "auto", "gguf", "int8", "int4")
 
 
 @dataclass
@@ -58,8 +58,7 @@ def default_formats(model=None, device: str = "cpu") -> list[str]:
 
 def parse_formats(spec: str | list[str] | None, model=None, device: str = "cpu") -> list[WeightFormat]:
     """Format names (see the module docstring) from a comma list; None: ``default_formats``."""
-    names = default_formats(model, device) if spec is None else [
-        x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip()]
+    names = default_formats(model, device) if spec is None else comma_list(spec)
     if not names:
         raise BenchError("--formats: no format given")
     out = []
@@ -68,9 +67,9 @@ def parse_formats(spec: str | list[str] | None, model=None, device: str = "cpu")
             dtype, quant = FORMATS[name]
         elif "+" in name:
             dtype, quant = name.split("+", 1)
-            if dtype not in ("auto", "float32", "bfloat16", "float16") or quant not in QUANTIZATIONS:
+            if dtype not in ("auto", "float32", "bfloat16", "float16") or quant not in QUANTIZATION_NAMES:
                 raise BenchError(f"--formats: bad format {name!r}: DTYPE+QUANTIZATION takes a dtype of auto, "
-                                 f"float32, bfloat16, float16 and a quantization of {', '.join(QUANTIZATIONS)}")
+                                 f"float32, bfloat16, float16 and a quantization of {', '.join(QUANTIZATION_NAMES)}")
             quant = None if quant == "none" else quant
         else:
             raise BenchError(f"--formats: unknown format {name!r}; choose from {', '.join(FORMATS)} "

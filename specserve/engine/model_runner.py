@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import ModelConfig
+from specserve.config import QUANTIZATIONS, ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import KVCache
 from specserve.layers import cpu_ops
@@ -80,7 +80,7 @@ def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device:
     tokens in the batch-invariant mode (a known bug, found while adding quantization, not yet fixed):
     sharded models run dense float32, and asking for bfloat16 or a quantization with them is an error."""
     q = None if quantization in (None, "none") else quantization
-    if q not in (None, "auto", "gguf", "int8", "int4"):
+    if q not in QUANTIZATIONS:
         raise ValueError(f"quantization must be auto, none, gguf, int8 or int4, got {quantization!r}")
     if tensor_parallel_size > 1 and (q not in (None, "auto") or dtype in ("bfloat16", "bf16", torch.bfloat16)):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} runs dense float32 weights only for now "

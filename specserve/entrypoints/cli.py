@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from specserve.config import QUANTIZATION_NAMES
+
 EXIT_USAGE = 2
 # a chat turn like the drafters' held-out prompts; the shipped drafters accept a little less on it than
 # their average over `specserve bench --prompts chitchat-heldout` (the former question, "Explain in three
@@ -50,15 +52,14 @@ def _positive_int(s: str) -> int:
     return v
 
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 QUANTIZATION_HELP = ("weights: auto (the engine's choice: a .gguf, and the default model, in its own quantization "
                      "on CPU unless the dtype is float32; an HF directory dense), none (dense), gguf (the GGUF's own "
                      "blocks), int8 or int4 (weight-only, quantized at load)")
 
 
 def _quantization(s: str) -> str:
-    if s not in QUANTIZATIONS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(QUANTIZATIONS)}, got {s!r}")
+    if s not in QUANTIZATION_NAMES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(QUANTIZATION_NAMES)}, got {s!r}")
     return s
 
 
@@ -76,7 +77,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype_help: str = "auto | float3
     p.add_argument("--dtype", default="auto", help=dtype_help + " (default: auto)")
     if quantization == "one":
         p.add_argument("--quantization", type=_quantization, default="auto",
-                       metavar="{" + ",".join(QUANTIZATIONS) + "}", help=QUANTIZATION_HELP + " (default: auto)")
+                       metavar="{" + ",".join(QUANTIZATION_NAMES) + "}", help=QUANTIZATION_HELP + " (default: auto)")
     elif quantization == "list":
         p.add_argument("--quantization", default="auto", metavar="Q[,Q...]",
                        help=QUANTIZATION_HELP + "; a comma list to run each with each --dtype (default: auto)")
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--dtype", default=None,
                     help="with --quantization (or alone): one format, DTYPE+QUANTIZATION, instead of --formats")
     px.add_argument("--quantization", type=_quantization, default=None,
-                    metavar="{" + ",".join(QUANTIZATIONS) + "}", help="see --dtype")
+                    metavar="{" + ",".join(QUANTIZATION_NAMES) + "}", help="see --dtype")
     px.add_argument("--text", default=None, metavar="FILE",
                     help="plain UTF-8 text to score (default: chitchat-heldout, the chitchat conversations held out "
                          "of the drafters' training)")
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto | float32 | bfloat16 (default auto: float32 on CPU; bfloat16 on a CPU with AVX512 "
                         "is batch-invariant, so speculative decoding still gives plain decoding's text)")
     d.add_argument("--quantization", type=_quantization, default="auto",
-                   metavar="{" + ",".join(QUANTIZATIONS) + "}", help=QUANTIZATION_HELP + " (default: auto)")
+                   metavar="{" + ",".join(QUANTIZATION_NAMES) + "}", help=QUANTIZATION_HELP + " (default: auto)")
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="train a drafter on the target's own outputs",

@@ -80,7 +80,6 @@ class ParallelLMHead(PackedGEMM, VocabParallelEmbedding):
         if embed.tp_size != self.tp_size or embed.per_partition != self.per_partition:
             raise ValueError("tied embedding and LM head must be sharded the same way")
         self.weight = embed.weight
-        self.tied_to = embed  # a quantized table is set on both (``model_runner.quantize_weights``)
 
     def forward(self, *_):
         raise RuntimeError("use LogitsProcessor(head, hidden_states)")

@@ -130,21 +130,13 @@ class PackedGEMM:
         raise NotImplementedError
 
     def pack_quant(self) -> bool:
-        """Build ``qkernel`` from ``quant`` (and drop the codes: the kernel holds its own copy);
-        whether the weight is quantized."""
+        """Build ``qkernel`` from ``quant`` (the kernel holds its own copy of the weight); whether the
+        weight is quantized."""
         if self.quant is None:
             return False
         if self.qkernel is None:
             self.qkernel = QuantKernel(self.quant)
         return True
-
-    @property
-    def in_features_(self) -> int:
-        """Input size of the GEMM (the weight may be packed or quantized)."""
-        if self.qkernel is not None:
-            return self.qkernel.in_features
-        w = self.packed if self.packed is not None else self.weight
-        return w.shape[1]
 
     def dense_matmul(self, x, bias=None):
         """``x W^T (+ bias)`` in one GEMM, as given."""

@@ -88,12 +88,6 @@ class QuantTensor:
         flat = ids.reshape(-1)
         return self._rows(flat).dequantize(dtype).view(*ids.shape, self.shape[1])
 
-    def nbytes(self) -> int:
-        """Bytes of the weight as a kernel holds it (codes at their bit width, scales and offsets)."""
-        N, K = self.shape
-        per_group = 2 if self.offset is not None else 1
-        return N * K * self.bits // 8 + N * (K // self.group) * per_group * 2
-
     @staticmethod
     def cat(parts: list["QuantTensor"]) -> "QuantTensor":
         """Row-wise concatenation of tensors of one format."""
@@ -193,9 +187,6 @@ class QuantKernel:
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if bias is None else y + bias
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
 
 
 @torch.inference_mode()

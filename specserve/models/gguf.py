@@ -5,12 +5,11 @@ names (llama.cpp's Q/K row permutation undone), tokenizer and chat template from
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import logging
 
 import numpy as np
 import torch
@@ -198,10 +197,10 @@ class GGUFFile:
                 raise ValueError(f"{self.path.name}: GGUF tensor {t.name!r} has no HF equivalent")
             yield t, name
 
-    def _qk_heads(self, name: str) -> int | None:
-        """Heads whose rotary halves llama.cpp interleaved in this q/k weight's rows (None: not such)."""
+    def _qk_heads(self, name: str, cfg: dict) -> int | None:
+        """Heads whose rotary halves llama.cpp interleaved in this q/k weight's rows (None: not such);
+        ``cfg``: ``hf_config()``, made once by the caller."""
         if self.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
-            cfg = self.hf_config()
             return cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
         return None
 
@@ -209,9 +208,10 @@ class GGUFFile:
         """Yield (HF name, float32 tensor) for every tensor, dequantized."""
         from gguf import GGMLQuantizationType
 
+        cfg = self.hf_config()
         for t, name in self._hf_names():
             w = _dense(t, GGMLQuantizationType(t.tensor_type), [int(x) for x in reversed(t.shape)], self.path)
-            heads = self._qk_heads(name)
+            heads = self._qk_heads(name, cfg)
             yield name, torch.from_numpy(unpermute_qk(w.numpy(), heads).copy()) if heads else w
 
     def quantized_tensors(self):
@@ -221,6 +221,7 @@ class GGUFFile:
         float32 tensors."""
         from gguf import GGMLQuantizationType
 
+        cfg = self.hf_config()
         converted: dict[str, int] = {}
         for t, name in self._hf_names():
             qtype = GGMLQuantizationType(t.tensor_type)
@@ -233,7 +234,7 @@ class GGUFFile:
             else:
                 converted[qtype.name] = converted.get(qtype.name, 0) + 1
                 qt = quantize(_dense(t, qtype, shape, self.path), 8, 32, f"{qtype.name}->int8-g32")
-            heads = self._qk_heads(name)
+            heads = self._qk_heads(name, cfg)
             if heads:
                 qt = QuantTensor(*(None if a is None else torch.from_numpy(unpermute_qk(a.numpy(), heads))
                                    for a in (qt.codes, qt.scale, qt.offset)), qt.group, qt.bits, qt.kind)
