@@ -1,6 +1,7 @@
 """Times every linear of the default model's shape (30 layers + the tied LM head) once, per weight
 format and row count: dense float32 and bfloat16 (oneDNN-packed, as the engine runs them), int8 per
-channel, int4 in groups of 32 (Q4_1's layout), 8-bit in groups of 32 (Q8_0's layout). Random weights;
+channel, int4 in groups of 32 (Q4_1's layout), 8-bit in groups of 32 (Q8_0's layout), the last two
+through torch's kernels and through specserve's C++ group kernel (where built). Random weights;
 ms per pass over all of them, median of several passes. The table in docs/quantization.md comes from
 it: ``python scripts/quant_kernels.py --threads 2``."""
 
@@ -12,7 +13,8 @@ import time
 
 import torch
 
-from specserve.layers.quant import QuantKernel, quantize
+from specserve.layers import cpu_ops
+from specserve.layers.quant import GroupKernel, QuantKernel, quantize
 
 SHAPES = [(960, 576)] * 30 + [(576, 576)] * 30 + [(3072, 576)] * 30 + [(576, 1536)] * 30 + [(49152, 576)]
 
@@ -38,6 +40,10 @@ def main() -> None:
         "int4-g32": lambda w: QuantKernel(quantize(w, 4, 32)),
         "8bit-g32 (Q8_0)": lambda w: QuantKernel(quantize(w, 8, 32)),
     }
+    ops = cpu_ops.get()
+    if ops is not None and ops.group_gemm_available():
+        formats["int4-g32, group kernel"] = lambda w: GroupKernel(quantize(w, 4, 32), ops)
+        formats["8bit-g32 (Q8_0), group kernel"] = lambda w: GroupKernel(quantize(w, 8, 32), ops)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"ms per pass over every linear of SmolLM2-135M (30 layers + LM head), {args.threads} threads")
     print("| format | " + " | ".join(f"{m} rows" for m in rows) + " |")

@@ -4,7 +4,9 @@ and the engine's knobs. Every field documents its bounds; bad values raise ``Val
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # architectures name -> family flags. One decoder implementation covers them all.
@@ -261,3 +263,13 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                              f"got {self.quantization!r}")
+
+
+def cache_root() -> Path:
+    """Where specserve keeps what it derives once (GGUF metadata, compiled ops, training data):
+    ``$SPECSERVE_CACHE``, else ``$XDG_CACHE_HOME/specserve`` or ``~/.cache/specserve``."""
+    env = os.environ.get("SPECSERVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specserve"

@@ -410,8 +410,106 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t vec) {
   return normed;
 }
 
+// quant_gemm.cpp
+at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile);
+bool group_gemm_available();
+
+namespace {
+
+// x [rows, K] -> [rows, n] through a group-quantized weight (its padded output columns dropped)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t grain,
+                  int64_t tile) {
+  auto y = group_gemm(x, packed, bits, grain, tile);
+  return y.size(1) == n ? y : y.narrow(1, 0, n);
+}
+
+// rotate_ (layers/rotary.py) on the q and k heads of qkv [T, heads, D] in place, bit for bit:
+// x * cos + roll(x, D / 2) * signed_sin, each product and the sum rounded to bfloat16 as torch's
+// bfloat16 mul_ / add_ do; cos, sin: [T, D]
+void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, int64_t D, const at::BFloat16* cos,
+            const at::BFloat16* sin) {
+  std::vector<float> row(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const at::BFloat16* c = cos + t * D;
+    const at::BFloat16* s = sin + t * D;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      at::BFloat16* x = qkv + (t * heads_total + hh) * D;
+      for (int64_t d = 0; d < D; ++d) row[d] = bf(x[d]);
+      for (int64_t d = 0; d < D; ++d) {
+        const at::BFloat16 swapped(row[(d + D / 2) % D] * bf(s[d]));
+        const at::BFloat16 scaled(row[d] * bf(c[d]));
+        x[d] = at::BFloat16(bf(scaled) + bf(swapped));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// One Llama decoder layer in bfloat16 with group-quantized linears (``GroupKernel``) and the float64
+// attention above: ``LlamaDecoderLayer.forward_fused`` in one call, the same bits. h: the residual stream
+// [B, Q, d]; x: the previous layer's MLP output not yet added (None for the first layer); ln: the two norm
+// weights; w / bits / n: packed qkv, o, gate_up, down with their code bits and output features; heads:
+// (H, Hkv, D); cos, sin [B or 1, Q, 1, D] (``RotaryEmbedding.rotation``); widx [B, Q]: the cache position
+// each new token is written to. Returns (h, mlp output).
+std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x, std::vector<at::Tensor> ln,
+                                      double eps, int64_t vec, std::vector<at::Tensor> w, std::vector<int64_t> bits,
+                                      std::vector<int64_t> n, std::vector<int64_t> heads, at::Tensor cos,
+                                      at::Tensor sin, at::Tensor cache, int64_t slot_start, at::Tensor widx,
+                                      int64_t kv_len, c10::optional<at::Tensor> mask, bool causal, double scale,
+                                      int64_t parallel_work, int64_t grain, int64_t tile) {
+  TORCH_CHECK(ln.size() == 2 && w.size() == 4 && bits.size() == 4 && n.size() == 4 && heads.size() == 3,
+              "decoder_layer: 2 norms, 4 linears, 3 head sizes");
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kBFloat16, "decoder_layer: h must be [B, Q, d] bfloat16");
+  const int64_t B = h.size(0), Q = h.size(1), d = h.size(2), T = B * Q;
+  const int64_t H = heads[0], Hkv = heads[1], D = heads[2], inter = n[2] / 2;
+  TORCH_CHECK(n[0] == (H + 2 * Hkv) * D && n[1] == d && n[3] == d, "decoder_layer: linear sizes");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(2) == Hkv && cache.size(4) == D &&
+                  cache.scalar_type() == at::kBFloat16, "decoder_layer: cache [slots, 2, Hkv, cap, D] bfloat16");
+  TORCH_CHECK(widx.scalar_type() == at::kLong && widx.numel() == T, "decoder_layer: widx [B, Q] int64");
+  std::vector<at::Tensor> hn = x.has_value() ? add_rms_norm(h, *x, ln[0], eps, vec)
+                                             : std::vector<at::Tensor>{h, rms_norm(h, ln[0], eps, vec)};
+  auto qkv = linear(hn[1].view({T, d}), w[0], bits[0], n[0], grain, tile).contiguous();
+  auto* pq = qkv.data_ptr<at::BFloat16>();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.size(-1) == D && (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == Q,
+              "decoder_layer: cos, sin [B or 1, Q, 1, D]");
+  const bool shared_rows = cos.size(0) == 1 && B > 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t off = shared_rows ? 0 : b * Q * D;
+    rotate(pq + b * Q * (H + 2 * Hkv) * D, Q, H + 2 * Hkv, H + Hkv, D, cos.data_ptr<at::BFloat16>() + off,
+           sin.data_ptr<at::BFloat16>() + off);
+  }
+  // keys and values into the cache: [slot, 2, Hkv, position, D]
+  auto* pc = cache.data_ptr<at::BFloat16>();
+  const auto* pw = widx.contiguous().data_ptr<int64_t>();
+  const int64_t cap = cache.size(3);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t b = t / Q, pos = pw[t];
+    TORCH_CHECK(pos >= 0 && pos < cap, "decoder_layer: cache position out of range");
+    for (int64_t kv = 0; kv < 2; ++kv)
+      for (int64_t g = 0; g < Hkv; ++g)
+        std::memcpy(pc + ((((slot_start + b) * 2 + kv) * Hkv + g) * cap + pos) * D,
+                    pq + (t * (H + 2 * Hkv) + H + kv * Hkv + g) * D, D * sizeof(at::BFloat16));
+  }
+  auto q = qkv.view({B, Q, H + 2 * Hkv, D}).narrow(2, 0, H);
+  auto a = attention(q, cache, slot_start, kv_len, mask, causal, scale, parallel_work);
+  auto o = linear(a.view({T, H * D}), w[1], bits[1], n[1], grain, tile);
+  auto hn2 = add_rms_norm(hn[0], o.view({B, Q, d}), ln[1], eps, vec);
+  auto gu = linear(hn2[1].view({T, d}), w[2], bits[2], n[2], grain, tile);
+  auto gate = gu.narrow(1, 0, inter);
+  at::silu_(gate);
+  auto m = at::mul(gate, gu.narrow(1, inter, inter));
+  auto down = linear(m, w[3], bits[3], n[3], grain, tile);
+  return {hn2[0], down.view({B, Q, d})};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "batch-invariant float64 attention over a slot KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");
+  m.def("group_gemm", &group_gemm, "x W^T for W in 4- or 8-bit groups of 32 (layers.quant.pack_groups), bfloat16");
+  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer, bfloat16, group-quantized linears, float64 attention");
+  m.def("group_gemm_available", &group_gemm_available, "whether this build has group_gemm");
 }

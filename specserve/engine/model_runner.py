@@ -171,7 +171,7 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
             # weight-only kernels never split the input dimension: rows are exact at any count (probed
             # once per kernel kind and shape); were a kernel not, its rows would run one at a time
             k = m.qkernel
-            key = (k.kind, k.per_channel, k.twice, k.out_features, k.in_features, m.bias is not None)
+            key = (k.key, m.bias is not None)
             if key not in probed:
                 probed[key] = rows_invariant(lambda x: m.dense_matmul(x, m.bias), k.in_features)
             if not probed[key]:

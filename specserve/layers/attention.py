@@ -32,6 +32,13 @@ class ForwardContext:
     positions_range: tuple[int, int] | None = None  # B == 1 and the RoPE positions are [a, b): no gather
     _masks: dict = field(default_factory=dict, repr=False)
 
+    def write_index(self) -> torch.Tensor:
+        """``write_idx``, or [1, Q] from ``write_range``: made once per forward."""
+        if self.write_idx is None:
+            a, b = self.write_range
+            self.write_idx = torch.arange(a, b).view(1, b - a)
+        return self.write_idx
+
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` as SDPA's additive mask in ``dtype`` (0 visible, -inf hidden), made once per forward
         and shared by the layers (given the bool mask, SDPA would convert it in every layer)."""

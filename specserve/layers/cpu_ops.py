@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from specserve.models.loader import cache_root
+from specserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: callers take their PyTorch path (``get`` still loads)
-PARALLEL_WORK = 1 << 21  # attention over more multiply-adds than this runs on the intra-op threads
+PARALLEL_WORK = 1 << 17  # attention over more multiply-adds than this runs on the intra-op threads
 
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded module or None once tried
@@ -44,8 +44,8 @@ def _variant() -> tuple[str, list[str]]:
     """(name suffix, extra compile flags): AVX-512 code only where torch and the CPU say it runs."""
     cap = torch.backends.cpu.get_cpu_capability()
     flags = _cpu_flags()
-    if cap.startswith("AVX512") and {"avx512f", "avx512_bf16"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx512bf16"]
+    if cap.startswith("AVX512") and {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
     return "generic", []
 
 
@@ -75,7 +75,8 @@ def norm_vec_width() -> int:
 def _build():
     from torch.utils import cpp_extension
 
-    src = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    src, gemm = csrc / "cpu_ops.cpp", csrc / "quant_gemm.cpp"
     suffix, flags = _variant()
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
     # one build per source location: the build files name the source's path, so two checkouts sharing
@@ -87,8 +88,10 @@ def _build():
         logger.warning("specserve: compiling its C++ CPU ops into %s (once, ~30 s)", build_dir)
     return cpp_extension.load(
         name=f"specserve_cpu_ops_{suffix}",
-        sources=[str(src)],
-        extra_cflags=["-O3", "-fno-math-errno", *flags],
+        sources=[str(src), str(gemm)],
+        # OpenMP: at::parallel_for is compiled into the extension (torch's own libgomp at run time)
+        extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
     )

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup, split_evenly
-from specserve.layers.quant import QuantKernel
+from specserve.layers.quant import make_kernel
 
 
 def partition(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -135,7 +135,7 @@ class PackedGEMM:
         if self.quant is None:
             return False
         if self.qkernel is None:
-            self.qkernel = QuantKernel(self.quant)
+            self.qkernel = make_kernel(self.quant)
         return True
 
     def dense_matmul(self, x, bias=None):

@@ -1,7 +1,13 @@
 """Weight-only quantized weights on CPU: a ``QuantTensor`` holds integer codes with a scale and an
 offset per group of input columns (w = code * scale + offset), as GGUF's Q4_0 / Q4_1 / Q8_0 blocks
-do and as ``quantize`` makes from float weights; ``QuantKernel`` runs ``x W^T`` through torch's
-weight-only kernels (bfloat16 activations):
+do and as ``quantize`` makes from float weights. ``make_kernel`` picks how ``x W^T`` runs (bfloat16
+activations):
+
+``GroupKernel``, specserve's C++ kernel (``csrc/quant_gemm.cpp``, CPUs with AVX-512 BF16), for 4-bit
+codes with an offset and 8-bit codes without, in groups of a multiple of 32, scales and offsets in
+float16 (GGUF's own; ``quantize`` rounds to float16): the weight re-laid out once (``pack_groups``),
+read once per call whatever the row count, each product of a code and an x value exact in float32.
+Otherwise ``QuantKernel``, torch's weight-only kernels:
 
 - 4-bit codes (0..15) in groups of 32..256: ``_weight_int4pack_mm_for_cpu``, which computes
   ``sum_k x[k] * ((c[k] - 8) * S0 + S1)`` with the scale S0 and the additive zero S1 in bfloat16:
@@ -27,9 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.layers import cpu_ops
+
 log = logging.getLogger("specserve")
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu takes
+GROUP_ROWS, GROUP_COLS = 16, 32  # GroupKernel's block: output rows x input columns
+GROUP_GRAIN = 4  # GroupKernel: row blocks per thread below which a call stays on one thread
+GROUP_TILE = 8  # GroupKernel: rows of x that share one pass over the weight (1..8)
 
 
 @dataclass
@@ -102,24 +113,32 @@ class QuantTensor:
 def quantize(w: torch.Tensor, bits: int, group: int | None = None, kind: str | None = None) -> QuantTensor:
     """``w`` [N, K] (float) -> ``QuantTensor``. 4 bits: asymmetric in groups of ``group`` (default 32;
     min..max of each group over codes 0..15). 8 bits: symmetric, codes -127..127, per output channel
-    (``group`` None or K) or in groups of ``group``."""
+    (``group`` None or K) or in groups of ``group``. Scales and offsets of groups are float16 values
+    (as GGUF's), the codes chosen for them."""
     w = w.detach().float()
     N, K = w.shape
     if bits == 4:
         group = group or 32
         g = w.view(N, K // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        lo = _half(g.amin(-1))
+        scale = _half((g.amax(-1) - lo) / 15).clamp_min(2.0**-24)
         codes = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
         return QuantTensor(codes.view(N, K), scale, lo, group, 4, kind or f"int4-g{group}")
     if bits == 8:
+        per_channel = group is None or group == K
         group = group or K
         g = w.view(N, K // group, group)
-        scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+        scale = g.abs().amax(-1) / 127
+        scale = scale.clamp_min(1e-12) if per_channel else _half(scale).clamp_min(2.0**-24)
         codes = (g / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
         return QuantTensor(codes.view(N, K), scale, None, group, 8,
-                           kind or ("int8" if group == K else f"int8-g{group}"))
+                           kind or ("int8" if per_channel else f"int8-g{group}"))
     raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to a float16 value (kept in float32)."""
+    return t.clamp(-65504, 65504).half().float()
 
 
 def check_kernel_shape(qt: QuantTensor, name: str = "weight") -> None:
@@ -132,16 +151,49 @@ def check_kernel_shape(qt: QuantTensor, name: str = "weight") -> None:
         raise ValueError(f"{name}: a {qt.kind} weight needs groups of {INT4_GROUPS} columns, has {qt.group}")
 
 
-class QuantKernel:
-    """``x W^T (+ bias)`` for a ``QuantTensor`` W (see the module docstring): x [..., K] in any float
-    dtype, computed in bfloat16, returned in x's dtype."""
+class _Kernel:
+    """``x W^T (+ bias)`` for a [N, K] weight: x [..., K] in any float dtype, computed in bfloat16,
+    returned in x's dtype; subclasses give ``mm`` ([M, K] bfloat16, contiguous -> [M, >= N])."""
+
+    out_features: int
+    in_features: int
+    kind: str
+
+    @property
+    def key(self) -> tuple:
+        """What decides the kernel's arithmetic: one row-invariance probe per key (``make_batch_invariant``)."""
+        return (type(self).__name__, self.kind, self.out_features, self.in_features)
+
+    def mm(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        y = self.mm(x2)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _pad_rows(qt: QuantTensor, multiple: int) -> QuantTensor:
+    """``qt`` with zero rows appended up to a multiple of ``multiple`` rows (the kernels' blocks)."""
+    return QuantTensor.cat([qt, _zeros(qt, -qt.shape[0] % multiple)]) if qt.shape[0] % multiple else qt
+
+
+class QuantKernel(_Kernel):
+    """torch's weight-only kernels (see the module docstring)."""
 
     def __init__(self, qt: QuantTensor):
         check_kernel_shape(qt)
         self.out_features, self.in_features = qt.shape
         self.kind = qt.kind
-        if qt.shape[0] % 16:  # the kernels take a multiple of 16 output rows: zero rows, sliced off
-            qt = QuantTensor.cat([qt, _zeros(qt, -qt.shape[0] % 16)])
+        qt = _pad_rows(qt, 16)  # the kernels take a multiple of 16 output rows: zero rows, sliced off
         self.per_channel = qt.bits == 8 and qt.group == qt.shape[1] and qt.offset is None
         self.twice = False  # 8-bit codes through the 4-bit kernel: the input is fed twice
         if self.per_channel:
@@ -161,6 +213,10 @@ class QuantKernel:
                                  for i in range(0, qt.shape[0], 4096)])
         self.scales = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
 
+    @property
+    def key(self) -> tuple:
+        return super().key + (self.per_channel, self.twice)
+
     def _codes4(self, codes: torch.Tensor) -> torch.Tensor:
         """The 4-bit kernel's codes (0..15, int32) of some rows of ``codes``: as they are, or the hi and
         lo halves of 8-bit codes side by side."""
@@ -168,25 +224,68 @@ class QuantKernel:
         return torch.cat([(c >> 4) + 8, c & 15], dim=1) if self.twice else c.contiguous()
 
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
-        """[M, K] bfloat16, contiguous -> [M, N] bfloat16."""
         if self.per_channel:
             return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.twice:
             x2 = torch.cat([x2, x2], dim=1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
-        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
-            x2 = x2.to(torch.bfloat16).contiguous()
-        y = self.mm(x2)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if bias is None else y + bias
+
+def group_kernel_takes(qt: QuantTensor) -> bool:
+    """Whether ``GroupKernel`` computes ``qt`` as it is: 4-bit codes with an offset or 8-bit codes
+    without, groups of a multiple of 32 columns, scales and offsets float16 values."""
+    if qt.group % GROUP_COLS or qt.shape[1] % qt.group or (qt.bits == 8) != (qt.offset is None):
+        return False
+    return all(torch.equal(t.half().float(), t) for t in (qt.scale, qt.offset) if t is not None)
+
+
+def pack_groups(qt: QuantTensor) -> torch.Tensor:
+    """``qt`` (``group_kernel_takes``) in ``GroupKernel``'s layout: uint8 [N / 16, K / 32, B], one
+    B-byte block per 16 output rows x 32 inputs (N padded with zero rows). 4 bits (B = 320): 8 chunks
+    of 32 bytes, chunk c byte 2 i + e = code[row i, 2 c + e] | code[row i, 16 + 2 c + e] << 4; then the
+    16 rows' scales and offsets in float16. 8 bits (B = 544): 16 chunks, chunk c byte 2 i + e =
+    code[row i, 2 c + e] (int8); then the 16 scales in float16."""
+    if qt.group != GROUP_COLS:  # a scale per 32 columns
+        r = qt.group // GROUP_COLS
+        qt = QuantTensor(qt.codes, qt.scale.repeat_interleave(r, 1),
+                         None if qt.offset is None else qt.offset.repeat_interleave(r, 1), GROUP_COLS, qt.bits, qt.kind)
+    qt = _pad_rows(qt, GROUP_ROWS)
+    N, K = qt.shape
+    nb, G = N // GROUP_ROWS, K // GROUP_COLS
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [nb, G, 32] bytes of float16
+        return t.half().view(nb, GROUP_ROWS, G).transpose(1, 2).contiguous().view(torch.uint8)
+
+    if qt.bits == 4:
+        c = qt.codes.view(nb, GROUP_ROWS, G, 2, 8, 2)  # [block, row, group, half, chunk, e]
+        codes = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
+        return torch.cat([codes.permute(0, 2, 3, 1, 4).reshape(nb, G, 256), halves(qt.scale),
+                          halves(qt.offset)], 2).contiguous()
+    c = qt.codes.view(torch.uint8).view(nb, GROUP_ROWS, G, 16, 2)  # [block, row, group, chunk, e]
+    return torch.cat([c.permute(0, 2, 3, 1, 4).reshape(nb, G, 512), halves(qt.scale)], 2).contiguous()
+
+
+class GroupKernel(_Kernel):
+    """specserve's C++ kernel (``csrc/quant_gemm.cpp``; see the module docstring) for a weight that
+    ``group_kernel_takes``; ``ops``: the loaded ``cpu_ops`` extension."""
+
+    def __init__(self, qt: QuantTensor, ops):
+        if not group_kernel_takes(qt):
+            raise ValueError(f"the group kernel does not take a {qt.kind} weight")
+        self.out_features, self.in_features = qt.shape
+        self.kind, self.bits, self.ops = qt.kind, qt.bits, ops
+        self.weight = pack_groups(qt)
+
+    def mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return self.ops.group_gemm(x2, self.weight, self.bits, GROUP_GRAIN, GROUP_TILE)
+
+
+def make_kernel(qt: QuantTensor) -> _Kernel:
+    """``GroupKernel`` where it takes ``qt`` and the C++ ops are built with it, else ``QuantKernel``."""
+    ops = cpu_ops.get() if group_kernel_takes(qt) else None
+    if ops is not None and ops.group_gemm_available():
+        return GroupKernel(qt, ops)
+    return QuantKernel(qt)
 
 
 @torch.inference_mode()

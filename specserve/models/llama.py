@@ -15,6 +15,7 @@ from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.quant import GROUP_GRAIN, GROUP_TILE
 from specserve.layers.rotary import RotaryEmbedding, rotate_
 
 
@@ -76,12 +77,38 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def one_call(self, ops, ctx, cache) -> tuple | None:
+        """The arguments of the C++ ``decoder_layer`` (the whole layer in one call) where it computes this
+        layer: bfloat16, every linear through ``GroupKernel`` without bias, no q/k norms, the float64
+        attention op over a cache; else None. The weights part is made once."""
+        at = self.self_attn
+        if cache is None or not at.attn.float64 or at.q_norm is not None or at.attn._ops(cache, ctx.mask) is None:
+            return None
+        if self._one_call is None:
+            lins = (at.qkv_proj, at.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+            ks = [lin.qkernel for lin in lins]
+            if (not hasattr(ops, "decoder_layer") or any(getattr(k, "ops", None) is not ops for k in ks)
+                    or any(lin.bias is not None or lin.tp_size > 1 or lin.row_block for lin in lins)):
+                self._one_call = ()
+            else:
+                self._one_call = ([self.input_layernorm.weight, self.post_attention_layernorm.weight],
+                                  [k.weight for k in ks], [k.bits for k in ks], [k.out_features for k in ks],
+                                  [at.h, at.hkv, at.d])
+        return self._one_call or None
+
+    _one_call = None  # ``one_call``'s weights part, () where the layer does not qualify
+
     def forward_fused(self, ops, vec, h, x, cos, sin, ctx, cache=None):
         """``forward`` with the residual adds fused into the norms after them (bfloat16, C++ ops): takes
         the residual stream ``h`` and the previous layer's MLP output ``x`` not yet added (None for the
         first layer) and returns this layer's (h, x). The same bits as ``forward``: ``h + x`` is torch's
         bfloat16 add and the norm ``RMSNorm``'s (``specserve/csrc/cpu_ops.cpp``)."""
         ln = self.input_layernorm
+        if (one := self.one_call(ops, ctx, cache)) is not None:
+            norms, weights, bits, n, heads = one
+            return ops.decoder_layer(h, x, norms, ln.eps, vec, weights, bits, n, heads, cos, sin, cache,
+                                     ctx.slot_start, ctx.write_index(), ctx.kv_len, ctx.mask, ctx.is_causal,
+                                     self.self_attn.attn.scale, cpu_ops.PARALLEL_WORK, GROUP_GRAIN, GROUP_TILE)
         if x is None:
             normed = ops.rms_norm(h, ln.weight, ln.eps, vec)
         else:

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from specserve.config import ModelConfig
+from specserve.config import ModelConfig, cache_root
 from specserve.layers.linear import ShapeMismatch, default_weight_loader
 from specserve.models.gguf import GGUFFile
 
@@ -25,14 +25,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class CheckpointError(ValueError):
     pass
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECSERVE_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specserve"
 
 
 def package_file(package: str, rel: str, what: str, install: str, otherwise: str,

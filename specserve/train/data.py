@@ -46,6 +46,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from specserve.config import cache_root
+
 HELDOUT_FRACTION = 0.10
 MIN_WORDS = 6
 SEARCH_TURNS = 6
@@ -175,8 +177,6 @@ def split_prompts(prompts: Sequence[str], fraction: float = HELDOUT_FRACTION) ->
 
 # ---- self-distillation ------------------------------------------------------------------------------
 def default_cache_dir() -> Path:
-    from specserve.models.loader import cache_root
-
     return cache_root() / "train"
 
 

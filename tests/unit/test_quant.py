@@ -11,7 +11,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.model_runner import ModelRunner, resolve_quantization
-from specserve.layers.quant import PendingQuant, QuantKernel, QuantTensor, quantize, rows_invariant
+from specserve.layers import cpu_ops
+from specserve.layers.quant import (GroupKernel, PendingQuant, QuantKernel, QuantTensor, group_kernel_takes,
+                                    make_kernel, quantize, rows_invariant)
 from specserve.models.gguf import GGUF_BLOCKS, pack_blocks, unpack_blocks
 
 ROWS = (1, 2, 3, 4, 8, 16, 17, 32, 64)
@@ -21,6 +23,15 @@ KINDS = {  # name: (bits, group)
     "int8-per-channel": (8, None),
     "int8-g32 (Q8_0 layout)": (8, 32),
 }
+
+
+def _group_ops():
+    ops = cpu_ops.get()
+    return ops is not None and ops.group_gemm_available()
+
+
+needs_group_kernel = pytest.mark.skipif(not _group_ops(), reason="the C++ group kernel needs AVX-512 BF16")
+GROUP_KINDS = {"int4-g32": (4, 32), "int4-g64": (4, 64), "int8-g32 (Q8_0 layout)": (8, 32)}
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +85,95 @@ def test_kernels_are_row_count_invariant(kind):
     full = k(x)
     for m in (1, 5, 33):
         assert torch.equal(k(x[:m]), full[:m])
+
+
+def _assert_near_exact_product(y: torch.Tensor, x: torch.Tensor, qt: QuantTensor) -> None:
+    """``y`` is x W^T for the exact weight (float16 scales and offsets, as stored) up to one bfloat16
+    rounding of each output and float32 sums."""
+    w = qt.dequantize().double()
+    ref = x.double() @ w.t()
+    tol = ref.abs() * 2.0**-8 + 2e-6 * (x.double().abs() @ w.abs().t())
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
+@needs_group_kernel
+@pytest.mark.parametrize("kind", list(GROUP_KINDS))
+@pytest.mark.parametrize("shape", [(96, 64), (200, 128)])  # 200: not a multiple of 16 (zero-row padding)
+def test_group_kernel_matches_exact_product_and_is_row_invariant(kind, shape):
+    bits, group = GROUP_KINDS[kind]
+    g = torch.Generator().manual_seed(2)
+    qt = quantize(torch.randn(*shape, generator=g) * 0.1, bits, group)
+    k = make_kernel(qt)
+    assert isinstance(k, GroupKernel)
+    x = torch.randn(64, shape[1], generator=g).to(torch.bfloat16)
+    full = k(x)
+    assert full.shape == (64, shape[0]) and full.dtype == torch.bfloat16
+    for m in ROWS:
+        y = k(x[:m])
+        _assert_near_exact_product(y, x[:m], qt)
+        assert torch.equal(y, full[:m])  # a row's bits whatever shares the call (tiles of 1..8 rows)
+    assert torch.equal(k(x[5:6]), full[5:6]) and rows_invariant(k, shape[1])
+    assert torch.equal(k(x.float()), full.float())  # float32 activations: computed in bfloat16
+
+
+@needs_group_kernel
+@pytest.mark.parametrize("kind", list(GGUF_BLOCKS))
+def test_group_kernel_computes_gguf_blocks_as_stored(kind):
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks (gguf-py's quantizer) go to the group kernel with their float16
+    scales unchanged: the product of the exact dequantized weight."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    w = np.random.default_rng(1).standard_normal((80, 160)).astype(np.float32)
+    qt = unpack_blocks(gguf_quantize(w, GGMLQuantizationType[kind]), kind, [80, 160], "synthetic")
+    k = make_kernel(qt)
+    assert isinstance(k, GroupKernel)
+    x = torch.randn(9, 160).to(torch.bfloat16)
+    _assert_near_exact_product(k(x), x, qt)
+
+
+def test_make_kernel_takes_torch_kernels_where_the_group_kernel_cannot():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=g)
+    per_channel = quantize(w, 8)  # one float32 scale a row
+    assert not group_kernel_takes(per_channel) and isinstance(make_kernel(per_channel), QuantKernel)
+    q4 = quantize(w, 4, 32)
+    assert torch.equal(q4.scale.half().float(), q4.scale) and torch.equal(q4.offset.half().float(), q4.offset)
+    assert group_kernel_takes(q4)
+    odd = QuantTensor(q4.codes, q4.scale * (1 + 2.0**-13), q4.offset, 32, 4, "int4")  # not float16 values
+    assert not group_kernel_takes(odd) and isinstance(make_kernel(odd), QuantKernel)
+    assert isinstance(make_kernel(q4), GroupKernel if _group_ops() else QuantKernel)
+
+
+@needs_group_kernel
+def test_decoder_layer_in_one_call_keeps_the_bits(tiny_llama):
+    """The C++ ``decoder_layer`` (a whole layer in one call) against the same layer op by op: the same
+    logits bit for bit for a prefill, a chain, a tree and a batch of two."""
+    runner = ModelRunner(tiny_llama, max_num_seqs=2, quantization="int4")
+    layers = runner.model.model.layers
+    ops = cpu_ops.get()
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        for layer in layers:
+            if one_call:
+                layer.__dict__.pop("_one_call", None)
+            else:
+                layer._one_call = ()
+        out = [runner.forward(0, [list(range(3, 40))], [0], "all").logits,
+               runner.forward(0, [[7, 8, 9, 10]], [37], "all").logits,
+               runner.forward(0, [[11, 12, 13]], [37], "all", tree_mask=[[[1, 0, 0], [1, 1, 0], [1, 0, 1]]],
+                              positions=[[37, 38, 38]]).logits,
+               runner.forward(0, [list(range(50, 60)), [5, 6]], [0, 0], "all").logits,
+               runner.forward(0, [[1, 2], [3]], [10, 2], "all").logits]
+        assert all((layer.one_call(ops, _Ctx(), runner.kv.kv[0]) is not None) == one_call for layer in layers)
+        return out
+
+    fused, plain = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+
+
+class _Ctx:  # what ``one_call`` reads of a ForwardContext
+    mask = None
 
 
 def test_rows_invariant_detects_a_row_count_dependent_kernel():

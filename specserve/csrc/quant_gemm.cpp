@@ -1,0 +1,178 @@
+// Weight-only quantized GEMM on AVX-512 BF16 CPUs (built with cpu_ops.cpp by specserve/layers/cpu_ops.py).
+//
+// y[M, N] = x[M, K] W^T for W in groups of 32 input columns: 4-bit codes c (0..15) with w = c * d + m
+// (GGUF Q4_0 / Q4_1, specserve's int4) or 8-bit codes q (-128..127) with w = q * d (GGUF Q8_0), d and m
+// float16. x is bfloat16. The weight is re-laid out once (``layers.quant.pack_groups``) in blocks of 16
+// output rows x 32 inputs; a 32-byte chunk of codes becomes 32 bfloat16 words = 16 lanes (one per output
+// row) x 2 inputs (4-bit: widened bytes through a vpermw table, low and high nibbles; 8-bit: through
+// float32), which vdpbf16ps multiplies with a broadcast pair of x values. Codes are exact in bfloat16, so
+// every product of a code and an x value is exact in float32.
+//
+// Exactness across row counts: every output y[i, n] is computed by one fixed sequence of operations
+// that depends only on row i of x and the weight (per group: two partial sums over the chunks in order,
+// added, times d, plus m times the group's sum of x; groups in order; one rounding to bfloat16), never on
+// how many rows share the call or which tile a row falls in. So verifying k tokens at once reproduces k
+// one-token steps bit for bit, and the weight is read from memory once for all k rows (tiles of up to 8
+// rows share each unpacked chunk).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRows = 16;
+constexpr int64_t kQ4Block = 256 + 64;  // 8 chunks of codes, 16 fp16 d, 16 fp16 m
+constexpr int64_t kQ8Block = 512 + 32;  // 16 chunks of int8 codes, 16 fp16 d
+constexpr int kMaxTile = 8;
+
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);  // small integers: exact
+}
+
+// the vpermw table of 4-bit codes: word e (the low 5 bits of an index word) = bfloat16(e & 15)
+__m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int e = 0; e < 32; ++e) t[e] = bf16_bits(static_cast<float>(e & 15));
+  return _mm512_load_si512(t);
+}
+
+// One block of 16 output rows over all groups, for MT rows of x (tile). xs: the rows' group sums.
+template <bool Q8, int MT>
+inline void block_tile(const uint8_t* wb, int64_t groups, const at::BFloat16* x, int64_t ldx, const float* xs,
+                       at::BFloat16* y, int64_t ldy, __m512i lut) {
+  __m512 tot[MT];
+  for (int r = 0; r < MT; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* b = wb + g * (Q8 ? kQ8Block : kQ4Block);
+    const int32_t* xp[MT];
+    for (int r = 0; r < MT; ++r) xp[r] = reinterpret_cast<const int32_t*>(x + r * ldx + g * kGroup);
+    __m512 a0[MT], a1[MT];
+    for (int r = 0; r < MT; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    if constexpr (!Q8) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(w, lut);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+        for (int r = 0; r < MT; ++r) {
+          a0[r] = _mm512_dpbf16_ps(a0[r], lo, (__m512bh)_mm512_set1_epi32(xp[r][c]));
+          a1[r] = _mm512_dpbf16_ps(a1[r], hi, (__m512bh)_mm512_set1_epi32(xp[r][c + 8]));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
+      for (int r = 0; r < MT; ++r) {
+        tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a0[r], a1[r]), d, tot[r]);
+        tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), tot[r]);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(b + 32 * c);
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+        const __m512bh w = _mm512_cvtne2ps_pbh(f1, f0);  // codes -128..127: exact in bfloat16
+        for (int r = 0; r < MT; ++r) {
+          if (c & 1)
+            a1[r] = _mm512_dpbf16_ps(a1[r], w, (__m512bh)_mm512_set1_epi32(xp[r][c]));
+          else
+            a0[r] = _mm512_dpbf16_ps(a0[r], w, (__m512bh)_mm512_set1_epi32(xp[r][c]));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 512)));
+      for (int r = 0; r < MT; ++r) tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a0[r], a1[r]), d, tot[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(tot[r]));
+}
+
+template <bool Q8>
+void block_rows(const uint8_t* wb, int64_t groups, const at::BFloat16* x, int64_t M, int64_t K, const float* xs,
+                at::BFloat16* y, int64_t N, __m512i lut, int64_t max_tile) {
+  // tiles of near-equal size (8 rows: 4 + 4, not 6 + 2): fewer rows than ~4 leave vdpbf16ps waiting
+  const int64_t tiles = (M + max_tile - 1) / max_tile;
+  for (int64_t t = 0, i = 0; t < tiles; ++t) {
+    const int64_t mt = M / tiles + (t < M % tiles ? 1 : 0);
+    const at::BFloat16* xt = x + i * K;
+    const float* st = xs + i * groups;
+    at::BFloat16* yt = y + i * N;
+    switch (mt) {
+#define SPECSERVE_TILE(n) \
+  case n: block_tile<Q8, n>(wb, groups, xt, K, st, yt, N, lut); break;
+      SPECSERVE_TILE(1) SPECSERVE_TILE(2) SPECSERVE_TILE(3) SPECSERVE_TILE(4)
+      SPECSERVE_TILE(5) SPECSERVE_TILE(6) SPECSERVE_TILE(7) SPECSERVE_TILE(8)
+#undef SPECSERVE_TILE
+      default: break;
+    }
+    i += mt;
+  }
+}
+
+}  // namespace
+
+// x [M, K] bfloat16, packed [N / 16, K / 32, block] uint8 (block 320: 4-bit, 544: 8-bit) -> y [M, N] bfloat16.
+// Row blocks are split over the intra-op threads when the call has at least ``grain`` of them per thread.
+at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile) {
+  TORCH_CHECK(max_tile >= 1 && max_tile <= kMaxTile, "group_gemm: max_tile must be 1..", kMaxTile);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "group_gemm: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "group_gemm: packed must be uint8 [N/16, K/32, B]");
+  TORCH_CHECK(bits == 4 || bits == 8, "group_gemm: bits must be 4 or 8");
+  const bool q8 = bits == 8;
+  TORCH_CHECK(packed.size(2) == (q8 ? kQ8Block : kQ4Block), "group_gemm: packed block size does not match bits");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), groups = packed.size(1), N = NB * kRows;
+  TORCH_CHECK(groups * kGroup == K, "group_gemm: x has ", K, " columns, the weight ", groups * kGroup);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* px = x.data_ptr<at::BFloat16>();
+  std::vector<float> xs(M * groups);  // each group's sum of x, in order (the offset term)
+  if (!q8) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t k = 0; k < kGroup; ++k) s += static_cast<float>(px[i * K + g * kGroup + k]);
+        xs[i * groups + g] = s;
+      }
+  }
+  const __m512i lut = nibble_table();
+  const uint8_t* pw = packed.data_ptr<uint8_t>();
+  auto* py = y.data_ptr<at::BFloat16>();
+  const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block);
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      if (q8)
+        block_rows<true>(pw + nb * bstride, groups, px, M, K, xs.data(), py + nb * kRows, N, lut, max_tile);
+      else
+        block_rows<false>(pw + nb * bstride, groups, px, M, K, xs.data(), py + nb * kRows, N, lut, max_tile);
+    }
+  };
+  if (NB >= 2 * grain)
+    at::parallel_for(0, NB, grain, run);
+  else
+    run(0, NB);
+  return y;
+}
+
+bool group_gemm_available() { return true; }
+
+#else
+
+at::Tensor group_gemm(at::Tensor, at::Tensor, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "group_gemm needs a CPU with AVX-512 BF16 (this build has none)");
+}
+
+bool group_gemm_available() { return false; }
+
+#endif
