@@ -138,17 +138,21 @@ class MedusaProposer(Proposer):
             from specserve.engine.model_runner import pack_linears
 
             pack_linears(self.heads)
+            self.heads.pack_first_blocks()
         self.target = target
         self.lm_head: ParallelLMHead = target.model.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
             # the draft vocabulary's rows of the target's lm_head, replicated (no gather), packed
             rows = self.heads.token_map
-            chosen = (_full_lm_head_weight(target)[rows] if self.lm_head.tp_size > 1
-                      else self.lm_head.dense_rows(rows.to(self.lm_head.weight.device)))  # quantized or not
             sub = ParallelLMHead(rows.numel(), tcfg.hidden_size, disable_tp=True, dtype=target.dtype).to(device)
-            with torch.no_grad():
-                sub.weight.copy_(chosen.to(target.dtype))
-            if getattr(target, "packed", False):
+            if self.lm_head.tp_size == 1 and self.lm_head.quant is not None:
+                sub.quant = self.lm_head.quant[rows]  # a quantized target's rows as they are (its kernel)
+            else:
+                chosen = (_full_lm_head_weight(target)[rows] if self.lm_head.tp_size > 1
+                          else self.lm_head.dense_rows(rows.to(self.lm_head.weight.device)))
+                with torch.no_grad():
+                    sub.weight.copy_(chosen.to(target.dtype))
+            if getattr(target, "packed", False) or sub.quant is not None:
                 sub.pack()
             self.lm_head = sub
         elif cfg.shared_lm_head and self.lm_head.tp_size > 1:

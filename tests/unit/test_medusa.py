@@ -60,6 +60,10 @@ def test_head_math_matches_formula():
             blk = heads.blocks[h][l]
             y = y + F.silu(y @ blk.weight.T + blk.bias)
         assert torch.allclose(got[:, h], y @ heads.lm_heads[h].weight.T, atol=1e-5)
+    # the heads' first blocks as one packed GEMM (CPU): the same states up to float32 rounding
+    heads.pack_first_blocks()
+    assert heads._first is not None
+    assert torch.allclose(heads.logits(x), got, atol=1e-4)
 
 
 def test_greedy_tree_and_expected_tokens():
