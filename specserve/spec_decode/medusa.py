@@ -154,6 +154,8 @@ class MedusaProposer(Proposer):
                     sub.weight.copy_(chosen.to(target.dtype))
             if getattr(target, "packed", False) or sub.quant is not None:
                 sub.pack()
+            if sub.qkernel is not None:  # the kernel holds the rows
+                sub.weight.data, sub.quant = torch.empty(0, dtype=sub.weight.dtype), None
             self.lm_head = sub
         elif cfg.shared_lm_head and self.lm_head.tp_size > 1:
             # heads are small and replicated: give them a full copy of the lm_head, never a gather
