@@ -12,6 +12,10 @@
 // torch's vectorized CPU sum (cascade_sum: 4 interleaved vector accumulators of ``vec`` lanes, then the
 // scalar tail, then the lanes in order), mean = sum / N, r = 1 / sqrt(mean + eps), bfloat16(x * r), then
 // the weight multiplied as torch multiplies two bfloat16 tensors.
+//
+// decoder_layer: a Llama layer of a quantized model (group kernel, quant_gemm.cpp) in one call, built from
+// the ops above, rotary as torch's rotate_ rounds it, and torch's own silu_ / mul: the same bits as the
+// layer op by op (LlamaDecoderLayer.forward_fused).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -75,8 +75,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device: str = "cpu",
                          tensor_parallel_size: int = 1) -> str | None:
     """``auto``: a GGUF's own quantization (``gguf``) on CPU unless float32 is asked for or the model is
-    sharded, else None (dense). ``gguf`` needs a GGUF; any quantization runs on CPU only (torch's
-    weight-only kernels). Under tensor parallelism, bfloat16 (and so quantized weights) gives wrong
+    sharded, else None (dense). ``gguf`` needs a GGUF; any quantization runs on CPU only (the weight-only
+    kernels of ``layers.quant``). Under tensor parallelism, bfloat16 (and so quantized weights) gives wrong
     tokens in the batch-invariant mode (a known bug, found while adding quantization, not yet fixed):
     sharded models run dense float32, and asking for bfloat16 or a quantization with them is an error."""
     q = None if quantization in (None, "none") else quantization

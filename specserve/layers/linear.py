@@ -121,7 +121,7 @@ class PackedGEMM:
 
     packed = None  # oneDNN copy of the weight, set by the layer's ``pack``
     quant = None  # the weight as a ``QuantTensor`` (weight-only quantization), set at load
-    qkernel = None  # its ``QuantKernel``, set by ``pack``
+    qkernel = None  # its kernel (``quant.make_kernel``), set by ``pack``
     row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
     pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
