@@ -126,21 +126,26 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
         assert chain == want
 
 
-@pytest.mark.parametrize("tree, draft_vocab, verify", [
-    (None, None, "full"), (8, None, "full"), (None, 10, "full"), (8, 10, "full"), (None, None, "auto"),
-    (8, 10, "auto"), (None, None, "auto-calibrated"), (8, 10, "auto-calibrated")])
-def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify):
+@pytest.mark.parametrize("tree, draft_vocab, verify, quantization", [
+    (None, None, "full", None), (8, None, "full", None), (None, 10, "full", None), (8, 10, "full", None),
+    (None, None, "auto", None), (8, 10, "auto", None), (None, None, "auto-calibrated", None),
+    (8, 10, "auto-calibrated", None), (8, 10, "full", "int4")])
+def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify, quantization):
     """``auto``: the cost model's cut from the heads' probabilities alone; ``auto-calibrated``: with the
     online calibration, whose choices follow the outcomes of earlier steps (random heads promise more
-    than they deliver, so it keeps changing what is verified)."""
+    than they deliver, so it keeps changing what is verified). ``int4``: a quantized target, the heads
+    sharing its LM head (the draft vocabulary's rows taken quantized)."""
     cfg = json.loads((small_vocab_model / "config.json").read_text())
-    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0,
-                       draft_vocab=draft_vocab)
-    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
-    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=quantization is not None,
+                       scale=1.0, draft_vocab=draft_vocab)
+    fmt = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
+    plain = LLM(model=str(small_vocab_model), max_num_seqs=64, **fmt)
+    spec = LLM(model=str(small_vocab_model), max_num_seqs=64, **fmt,
                speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
                                    "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify[:4],
                                    "online_calibration": verify == "auto-calibrated"})
+    if quantization is not None:
+        assert spec.engine.proposer.lm_head.qkernel is not None  # the draft head runs quantized
     if verify.startswith("auto"):  # a cost per verified token: chains are cut by their confidences, row by row
         spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * (0.15 if verify == "auto" else 0.0002)}
     a = sample_prefixes(plain, 2000, 0, k=5)
