@@ -482,8 +482,12 @@ NGRAM_SUFFIX = re.compile(r"(.+)-(ngram|pool)([1-9][0-9]*)?")
 NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5}, "pool": POOLED_BRANCHES}
 
 
-# e.g. dspark-draft-float32: that block-drafter method with its drafter run in float32 (draft_dtype)
-DRAFT_DTYPE_SUFFIX = re.compile(r"(.+)-draft-(float32|bfloat16)")
+# e.g. dspark-draft-float32: that block-drafter method with its drafter run in float32 (draft_dtype);
+# -draft-int8 / -draft-int4 / -draft-dense: its weights in that quantization (draft_quantization)
+DRAFT_DTYPE_SUFFIX = re.compile(r"(.+)-draft-(float32|bfloat16|int8|int4|dense)")
+DRAFT_SUFFIX_OPTION = {"float32": ("draft_dtype", "float32"), "bfloat16": ("draft_dtype", "bfloat16"),
+                       "int8": ("draft_quantization", "int8"), "int4": ("draft_quantization", "int4"),
+                       "dense": ("draft_quantization", "none")}
 
 
 def method_factory(name: str) -> Callable[[], object] | None:
@@ -493,7 +497,9 @@ def method_factory(name: str) -> Callable[[], object] | None:
     ``-ngramK`` (``ngram_branch: K``), ``-pool`` (3 continuations of up to 12 tokens, from the sequence
     and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``. A DSpark or
     DFlash method may end in ``-draft-float32`` or ``-draft-bfloat16``: its drafter run in that dtype
-    (``draft_dtype``; default ``"auto"``), e.g. ``dspark-draft-float32`` beside ``dspark``. Any of the
+    (``draft_dtype``; default ``"auto"``), e.g. ``dspark-draft-float32`` beside ``dspark``, or in
+    ``-draft-int8``, ``-draft-int4`` or ``-draft-dense``: its weights quantized so or not at all
+    (``draft_quantization``; default ``"auto"``: 8 bits beside a quantized target). Any of the
     drafter methods may end in ``@PATH``: the same with the drafter checkpoint at PATH instead of the
     shipped one (``speculative_config["model"]``), e.g. ``dspark-tree-pool@my-drafter``, to compare
     drafters side by side in one run."""
@@ -511,9 +517,10 @@ def method_factory(name: str) -> Callable[[], object] | None:
     if m:
         base = method_factory(m.group(1))
         spec = getattr(base(), "speculative_config", None) if base else None
-        if not spec or spec["method"] not in ("dspark", "dflash") or "draft_dtype" in spec:
+        key, value = DRAFT_SUFFIX_OPTION[m.group(2)]
+        if not spec or spec["method"] not in ("dspark", "dflash") or key in spec:
             return None
-        return lambda: SpecserveMethod(name, {**spec, "draft_dtype": m.group(2)})
+        return lambda: SpecserveMethod(name, {**spec, key: value})
     m = SIZED_TREE.fullmatch(name)
     if m:
         method = m.group(1)
@@ -544,7 +551,8 @@ def parse_methods(spec: str | list[str]) -> list[str]:
                          "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + "
                          "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
                          "also from earlier requests), a DSpark/DFlash method + '-draft-float32' or "
-                         "'-draft-bfloat16' (its drafter's dtype), and a drafter method + '@PATH' (its drafter "
+                         "'-draft-bfloat16' (its drafter's dtype) or '-draft-int8', '-draft-int4', '-draft-dense' "
+                         "(its drafter's weights), and a drafter method + '@PATH' (its drafter "
                          f"checkpoint at PATH); {', '.join(METHOD_ALIASES)} = {', '.join(METHOD_ALIASES.values())}")
     names = list(dict.fromkeys(names))
     if "none" in names:

@@ -71,6 +71,7 @@ log = logging.getLogger("specserve.dspark")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 VERIFY_MODES = ("full", "threshold", "auto")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
 TREE_MAX_NODES = 64  # dspark_tree="auto": the most nodes one request's tree may verify
 
@@ -89,6 +90,37 @@ def resolve_draft_dtype(draft_dtype: str, target_dtype: torch.dtype, device, sta
     return torch.bfloat16 if stored == {torch.bfloat16} and linear.fast_bfloat16(device) else target_dtype
 
 
+def resolve_draft_quantization(draft_quantization: str, runner) -> str | None:
+    """The weight-only quantization of the drafter's linears and heads (``layers.quant``, groups of 32
+    columns). ``"auto"``: 8 bits when the target runs quantized (CPU), else none. The drafter only
+    proposes and the target verifies every token, so this moves acceptance and draft time, never the
+    output."""
+    if draft_quantization == "auto":
+        return "int8" if getattr(runner, "quantization", None) else None
+    if draft_quantization != "none" and getattr(runner, "device", "cpu") != "cpu":
+        raise ValueError(f"draft_quantization={draft_quantization!r} runs on the CPU only; use 'none'")
+    return None if draft_quantization == "none" else draft_quantization
+
+
+def quantize_drafter(drafter: torch.nn.Module, scheme: str) -> None:
+    """Replace the weight of every linear and LM head of ``drafter`` (fused projections included; the
+    embeddings stay dense: a lookup reads a few rows) by its ``scheme`` quantization in groups of 32
+    columns, run by the weight-only kernels of ``layers.quant``; the float weights are freed. A layer
+    whose input size is not a multiple of 32 (a small Markov rank) stays dense."""
+    from specserve.engine.model_runner import pack_linears
+    from specserve.layers.linear import PackedGEMM
+    from specserve.layers.quant import quantize
+
+    bits = {"int8": 8, "int4": 4}[scheme]
+    gemms = [m for m in drafter.modules()
+             if isinstance(m, PackedGEMM) and m.weight.numel() and m.weight.shape[1] % 32 == 0]
+    for m in gemms:
+        m.quant = quantize(m.weight.data, bits, 32, f"{scheme}-g32")
+    pack_linears(drafter)
+    for m in gemms:
+        m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+
+
 def _generator(state):
     if state is None:
         return None
@@ -103,7 +135,8 @@ class DSparkDraftWorker:
     (sampling generators travel as their states), so all ranks draft the same tokens and meet at the
     same collectives; only the driver's results are used."""
 
-    def __init__(self, runner, model_path: str, markov_replicate: bool = True, draft_dtype: str = "auto"):
+    def __init__(self, runner, model_path: str, markov_replicate: bool = True, draft_dtype: str = "auto",
+                 draft_quantization: str = "auto"):
         from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
         from specserve.spec_decode.dspark_model import DFlashDrafter
 
@@ -117,12 +150,14 @@ class DSparkDraftWorker:
         self.device = runner.device  # the target's: its embedding, lm_head and features
         self.drafter.to(self.device)
         self.drafter.fuse_projections()
-        if getattr(runner, "packed", False):  # the target's linears are oneDNN-packed: the drafter's too
-            from specserve.engine.model_runner import pack_linears
-            from specserve.layers.linear import mkldnn_packing_available
+        self.quantization = resolve_draft_quantization(draft_quantization, runner)
+        from specserve.engine.model_runner import pack_linears
+        from specserve.layers.linear import mkldnn_packing_available
 
-            if mkldnn_packing_available(self.dtype):
-                pack_linears(self.drafter)
+        if self.quantization:
+            quantize_drafter(self.drafter, self.quantization)
+        elif getattr(runner, "packed", False) and mkldnn_packing_available(self.dtype):
+            pack_linears(self.drafter)  # the target's linears are oneDNN-packed: the drafter's too
         self.embed = runner.model.model.embed_tokens
         target_logits, target_dtype = runner.model.compute_logits, runner.dtype
         # a drafter without its own lm_head reads the target's, in the target's dtype
@@ -224,7 +259,7 @@ class DSparkProposer(Proposer):
                  draft_sample_method: str = "greedy", dspark_verify: str = "full",
                  confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
                  dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True,
-                 draft_gate: bool = True, draft_dtype: str = "auto"):
+                 draft_gate: bool = True, draft_dtype: str = "auto", draft_quantization: str = "auto"):
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
@@ -232,6 +267,9 @@ class DSparkProposer(Proposer):
                                  "(none is shipped for it)")
         if draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {', '.join(map(repr, DRAFT_DTYPES))}, got {draft_dtype!r}")
+        if draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"draft_quantization must be one of {', '.join(map(repr, DRAFT_QUANTIZATIONS))}, "
+                             f"got {draft_quantization!r}")
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
         if dspark_verify not in VERIFY_MODES:
@@ -262,6 +300,7 @@ class DSparkProposer(Proposer):
         self.threshold = float(confidence_threshold)
         self.markov_replicate = bool(markov_replicate)
         self.draft_dtype = draft_dtype
+        self.draft_quantization = draft_quantization
         self.verify_costs: dict[int, float] | None = None
         self.draft_costs: dict[int, float] | None = None
         self.online_calibration = bool(online_calibration)
@@ -272,7 +311,8 @@ class DSparkProposer(Proposer):
     def load_model(self, target) -> None:
         if not self.model_path.exists():
             raise FileNotFoundError(f"DSpark checkpoint not found: {self.model_path}")
-        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate, self.draft_dtype)
+        target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate, self.draft_dtype,
+                      self.draft_quantization)
         self.worker: DSparkDraftWorker = target.helper(self.name)
         cfg = self.worker.cfg
         k = self.requested_k or cfg.num_drafts

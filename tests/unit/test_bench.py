@@ -50,8 +50,13 @@ def test_bench_draft_dtype_suffix_sets_the_block_drafters_dtype():
         "method": "dspark", "dspark_tree": "auto", **pool, "draft_dtype": "float32"}
     assert method_factory("dflash-draft-bfloat16@prev")().speculative_config == {
         "method": "dflash", "draft_dtype": "bfloat16", "model": "prev"}
-    for bad in ("medusa-draft-float32", "ngram-draft-float32", "none-draft-float32", "dspark-draft-int8",
-                "dspark-draft-float32-draft-bfloat16", "-draft-float32"):
+    assert method_factory("dspark-tree-pool-draft-int4")().speculative_config == {
+        "method": "dspark", "dspark_tree": "auto", **pool, "draft_quantization": "int4"}
+    assert method_factory("dflash-draft-float32-draft-dense")().speculative_config == {
+        "method": "dflash", "draft_dtype": "float32", "draft_quantization": "none"}
+    for bad in ("medusa-draft-float32", "ngram-draft-float32", "none-draft-float32", "dspark-draft-int2",
+                "dspark-draft-float32-draft-bfloat16", "dspark-draft-int8-draft-int4", "medusa-draft-int8",
+                "-draft-float32"):
         with pytest.raises(BenchError, match="unknown method"):
             parse_methods(bad)
 

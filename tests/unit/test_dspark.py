@@ -78,24 +78,29 @@ def test_greedy_identical_to_plain(tiny_llama, small_vocab_model, tmp_path, meth
 
 @pytest.mark.parametrize("sample, verify", [("greedy", "full"), ("probabilistic", "full"), ("probabilistic", "auto"),
                                            ("greedy", "tree"), ("probabilistic", "auto-calibrated"),
-                                           ("greedy", "tree-calibrated"), ("probabilistic", "full-bf16draft")])
+                                           ("greedy", "tree-calibrated"), ("probabilistic", "full-bf16draft"),
+                                           ("probabilistic", "full-int4draft")])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample, verify):
     """Many sequences draft together (batched blocks, one generator per row) at temperature 1; trees:
     each row's own tree, sized by the cost model from the draft probabilities at temperature 1;
     ``-calibrated``: with the online calibration, whose choices follow earlier steps' outcomes;
     ``-bf16draft``: the drafter in bfloat16 beside the float32 target (its q, float32 probabilities of
-    bfloat16 logits, is what the rejection sampler reads)."""
+    bfloat16 logits, is what the rejection sampler reads); ``-int4draft``: its weights in 4 bits."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     mode = {"dspark_tree": "auto"} if verify.startswith("tree") else {"dspark_verify": verify.split("-")[0]}
     calibrated = verify.endswith("-calibrated")
     if verify.endswith("-bf16draft"):
         mode["draft_dtype"] = "bfloat16"
+    if verify.endswith("-int4draft"):
+        mode["draft_quantization"] = "int4"
     spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
         "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "online_calibration": calibrated,
         **mode})
     if verify.endswith("-bf16draft"):
         assert spec.engine.runner.helper("dspark").drafter.fc.weight.dtype == torch.bfloat16
+    if verify.endswith("-int4draft"):
+        assert spec.engine.runner.helper("dspark").drafter.fc.qkernel.kind == "int4-g32"
     if verify != "full":  # a cost per verified token: lengths follow the confidences and differ by row
         spec.engine.proposer.verify_costs = {1: 1.0, 1000: 1.0 + 999 * (0.0002 if calibrated else 0.001)}
     a = sample_prefixes(plain, 2000, 0, k=5)
@@ -191,7 +196,8 @@ def test_dspark_errors(tiny_llama, tmp_path):
                        ({"dspark_tree": 4, "draft_sample_method": "probabilistic"}, "draft_sample_method='greedy'"),
                        ({"dspark_tree": 4, "dspark_verify": "auto"}, "leave dspark_verify"),
                        ({"dspark_tree": 4, "dspark_tree_topk": 0}, "dspark_tree_topk must be"),
-                       ({"draft_dtype": "int8"}, "draft_dtype must be one of 'auto', 'float32'")]:
+                       ({"draft_dtype": "int8"}, "draft_dtype must be one of 'auto', 'float32'"),
+                       ({"draft_quantization": "q4"}, "draft_quantization must be one of 'auto', 'none'")]:
         with pytest.raises(ValueError, match=match):
             LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter), **bad})
 
@@ -218,6 +224,34 @@ def test_draft_dtype_follows_the_stored_weights_unless_requested(tiny_llama, tmp
     worker = llm.engine.runner.helper("dspark")
     assert worker.dtype == expected and worker.drafter.lm_head is None
     assert {p.dtype for p in worker.drafter.parameters()} == {expected}
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("target, requested, expected", [
+    (None, "auto", None), ("int8", "auto", "int8"), (None, "int4", "int4"), ("int4", "none", None),
+    ("int4", "int8", "int8"),
+])
+def test_draft_quantization_follows_the_target_unless_requested(tiny_llama, tmp_path, target, requested, expected):
+    """``draft_quantization="auto"`` quantizes the drafter's linears to 8 bits in groups of 32 beside a
+    quantized target and leaves them dense beside a dense one; an explicit choice wins. Quantized, every
+    linear runs a weight-only kernel with its float weight freed (the Markov head's rank-8 input stays
+    dense: not a multiple of 32), and greedy output is plain decoding's on the same target."""
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = {"dtype": "float32"} if target is None else {"quantization": target}
+    plain = LLM(model=str(tiny_llama), **kw).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), **kw,
+              speculative_config={"method": "dspark", "model": str(drafter), "draft_quantization": requested})
+    worker = llm.engine.runner.helper("dspark")
+    assert worker.quantization == expected
+    fc, w2 = worker.drafter.fc, worker.drafter.markov_head.markov_w2
+    if expected:
+        assert fc.qkernel.kind == f"{expected}-g32" and fc.weight.numel() == 0
+        assert w2.qkernel is None and w2.weight.numel() > 0
+    else:
+        assert fc.qkernel is None
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     assert llm.get_metrics()["num_draft_tokens"] > 0
