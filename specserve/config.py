@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # architectures name -> family flags. One decoder implementation covers them all.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -142,6 +144,20 @@ def _rope_scaling(cfg: dict) -> dict | None:
     return None if kind == "default" else dict(rs, rope_type=kind)
 
 
+def check_int(name: str, value, none_ok: bool = False) -> None:
+    """A ``TypeError`` naming ``name`` unless ``value`` is an int (not a bool; None when ``none_ok``)."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if none_ok else ''}, got {value!r}")
+
+
+def check_number(name: str, value) -> None:
+    """A ``TypeError`` naming ``name`` unless ``value`` is a real number (int or float, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters (vLLM names).
@@ -164,10 +180,26 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("n", "top_k", "seed", "max_tokens"):
+            check_int(name, getattr(self, name), none_ok=name != "n")
+        for name in ("temperature", "top_p", "min_p"):
+            check_number(name, getattr(self, name))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or not all(isinstance(x, str) for x in self.stop)):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = [s for s in (self.stop or []) if s]
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids or []:
+            check_int("stop_token_ids", t)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.n != 1:
             raise ValueError("n > 1 is not supported yet; submit the prompt several times with different seeds")
         if not (self.temperature >= 0):
@@ -239,7 +271,11 @@ QUANTIZATIONS = (None, *QUANTIZATION_NAMES)  # as LLM takes them
 class EngineConfig:
     """Engine knobs. max_num_seqs: sequences decoded together (>= 1). max_model_len: prompt +
     output tokens per sequence (None: the model's max_position_embeddings). prefill_chunk: prompt
-    tokens per prefill forward (>= 16)."""
+    tokens per prefill forward (>= 16). sampling_mode: how random requests draw their tokens,
+    "coupled" (each position's randomness from the request's seed and the position alone: a seeded
+    request's text is plain decoding's with that seed, whatever the drafter, batch or tensor-parallel
+    size; ``sample.coupled``) or "rejection" (vLLM's rejection sampler: exact in distribution, one
+    random stream per request)."""
 
     dtype: str = "auto"
     quantization: str | None = "auto"
@@ -250,14 +286,26 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     speculative: SpeculativeConfig | None = None
+    sampling_mode: str = "coupled"
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "max_num_seqs", "prefill_chunk", "seed", "num_threads", "max_model_len"):
+            check_int(name, getattr(self, name), none_ok=name in ("num_threads", "max_model_len"))
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token) or None (the "
+                             f"model's own), got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise TypeError(f"dtype must be a string such as 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
+        if self.sampling_mode not in ("coupled", "rejection"):
+            raise ValueError(f"sampling_mode must be 'coupled' or 'rejection', got {self.sampling_mode!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

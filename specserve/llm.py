@@ -21,17 +21,20 @@ class LLM:
     tensor_parallel_size: processes the model is sharded over (gloo on CPU).
     device: "auto" (a CUDA GPU when torch sees one and tensor_parallel_size is 1, else the CPU;
         ``$SPECSERVE_DEVICE`` overrides), "cpu", "cuda" or "cuda:N".
+    sampling_mode: "coupled" (default: at temperature > 0, a seeded request returns plain decoding's
+        tokens for that seed, whatever the drafter, batch or tensor-parallel size) or "rejection"
+        (vLLM's rejection sampler: exact in distribution only). See ``docs/sampling.md``.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
                  speculative_config: dict | None = None, seed: int = 0, max_num_seqs: int = 16,
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
-                 prefill_chunk: int = 512, quantization: str | None = "auto"):
+                 prefill_chunk: int = 512, quantization: str | None = "auto", sampling_mode: str = "coupled"):
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
                            quantization=quantization,
                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
-                           prefill_chunk=prefill_chunk)
+                           prefill_chunk=prefill_chunk, sampling_mode=sampling_mode)
         self.engine = LLMEngine(model, cfg, device)
         self.tokenizer = self.engine.tokenizer
 
@@ -40,21 +43,36 @@ class LLM:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _normalize(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append((p, self.tokenizer.encode(p)))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                out.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                out.append((p["prompt"], self.tokenizer.encode(p["prompt"])))
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-                out.append((None, list(p)))
-            else:
-                raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(p).__name__}")
-        return out
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, a dict or a list of them, "
+                            f"got {type(prompts).__name__}")
+        return [self._one_prompt(p, i) for i, p in enumerate(prompts)]
+
+    def _encode(self, text, i: int) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"prompt {i}: the text must be a string, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt {i} is not valid text: {text[e.start]!r} at index {e.start} cannot be encoded "
+                             "as UTF-8 (a lone surrogate)") from None
+        return self.tokenizer.encode(text)
+
+    def _one_prompt(self, p, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(p, str):
+            return p, self._encode(p, i)
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            return p.get("prompt"), _token_ids(p["prompt_token_ids"], i)
+        if isinstance(p, dict) and "prompt" in p:
+            return p["prompt"], self._encode(p["prompt"], i)
+        if isinstance(p, dict):
+            raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+        if isinstance(p, (list, tuple)):
+            return None, _token_ids(p, i)
+        raise TypeError(f"prompt {i} must be a string, a list of token ids or a dict, got {type(p).__name__}")
 
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:
@@ -62,17 +80,41 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         sp = list(sampling_params)
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         return sp
+
+    def _add_all(self, items, params) -> list:
+        """Queue every request or none: each is checked first, and a failure while queueing takes back
+        what was queued, so the engine is left as it was."""
+        for i, ((_, ids), p) in enumerate(zip(items, params)):
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise type(e)(f"prompt {i}: {e}" if len(items) > 1 else str(e)) from None
+        seqs = []
+        try:
+            for (text, ids), p in zip(items, params):
+                seqs.append(self.engine.add_request(ids, p, text))
+        except BaseException:
+            for s in seqs:
+                self.engine.abort(s)
+            raise
+        return seqs
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         items = self._normalize(prompts)
         params = self._params_list(sampling_params, len(items))
-        seqs = [self.engine.add_request(ids, p, text) for (text, ids), p in zip(items, params)]
+        seqs = self._add_all(items, params)
         bar = _progress(len(seqs)) if use_tqdm else None
         done = 0
         try:
@@ -94,7 +136,7 @@ class LLM:
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated; ``self.last_output`` holds the final result."""
         ((text, ids),) = self._normalize([prompt])
-        seq = self.engine.add_request(ids, sampling_params or SamplingParams(), text)
+        (seq,) = self._add_all([(text, ids)], self._params_list(sampling_params, 1))
         shown = 0
         try:
             while not seq.finished:
@@ -133,6 +175,16 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def _token_ids(ids, i: int) -> list[int]:
+    """A prompt's token ids as a list of ints, or an error naming the prompt and the first bad id."""
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"prompt {i}: token ids must be a list of ints, got {type(ids).__name__}")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"prompt {i}: token ids must be ints, got {t!r} ({type(t).__name__}) at index {j}")
+    return list(ids)
 
 
 def _progress(total: int):

@@ -37,7 +37,9 @@ Identity (greedy only): for each prompt, a method's output ids are compared with
 common prefix, i.e. the first ``min(len(ours), len(theirs))`` tokens. Both stop at the same EOS ids
 (which are kept in the output) and at the same ``max_tokens``, so lengths normally match; when one run
 emits EOS where the other does not, that position is inside the common prefix and counts as a
-divergence. A length difference alone is counted in ``length_mismatches``. At temperature > 0
+divergence. A length difference alone is counted in ``length_mismatches``. At temperature > 0 the
+specserve rows are compared the same way under ``sampling_mode="coupled"`` (the default: a seeded
+request's tokens are plain decoding's whatever the drafter); otherwise, and for the peers,
 ``identical_to_none`` is null.
 """
 
@@ -113,6 +115,7 @@ class BenchContext:
     tensor_parallel_size: int = 1
     device: str = "cpu"
     quantization: str | None = None  # resolved: None (dense), "gguf", "int8" or "int4"
+    sampling_mode: str = "coupled"  # the specserve rows' ``LLM(sampling_mode=...)``
 
 
 @dataclass
@@ -187,7 +190,7 @@ class SpecserveSession(Session):
         kwargs = {"speculative_config": speculative_config} if speculative_config else {}
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
-                       device=ctx.device, quantization=ctx.quantization,
+                       device=ctx.device, quantization=ctx.quantization, sampling_mode=ctx.sampling_mode,
                        max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
         try:
             runner = self.llm.engine.runner
@@ -638,7 +641,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
               interleave: bool = True, device: str | None = "auto",
-              quantizations: str | list[str] = "auto") -> list[dict]:
+              quantizations: str | list[str] = "auto", sampling_mode: str = "coupled") -> list[dict]:
     """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
     quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
     from specserve.models.loader import resolve_model_dir
@@ -662,6 +665,8 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
     if temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {temperature}")
+    if sampling_mode not in ("coupled", "rejection"):
+        raise BenchError(f"--sampling-mode must be coupled or rejection, got {sampling_mode!r}")
     if threads is not None and threads < 1:
         raise BenchError(f"--threads must be >= 1, got {threads}")
     if tensor_parallel_size < 1:
@@ -694,7 +699,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     rows = []
     for dtype, quant in groups:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
-                           tensor_parallel_size, device, quant)
+                           tensor_parallel_size, device, quant, sampling_mode)
         results = _run_methods(runners, names, ctx, interleaved, log)
         rows += group_rows(names, runners, results, ctx, gguf_type,
                            {"interleaved": interleaved, "model_dir": str(model_dir)})
@@ -719,6 +724,7 @@ def group_rows(names: list[str], runners: dict, results: dict[str, MethodResult]
     ``llama.cpp`` row, when there is one), identity with ``none`` (greedy; for information only for
     a method with ``identity_informational``), acceptance and the method's extras."""
     greedy = ctx.temperature < 1e-5
+    coupled = ctx.sampling_mode == "coupled"
     tps_of = {n: (r.generated_tokens / r.wall_s if r.wall_s > 0 else 0.0) for n, r in results.items()}
     base, base_tps = results["none"], tps_of["none"]
     ref_tps = tps_of.get(LLAMACPP)
@@ -726,7 +732,8 @@ def group_rows(names: list[str], runners: dict, results: dict[str, MethodResult]
     for name in names:
         res, tps, runner = results[name], tps_of[name], runners[name]
         quant = getattr(runner, "quantization", ctx.quantization)
-        identical, divergent, mismatched = compare(base.outputs, res.outputs) if greedy else (None, None, None)
+        comparable = greedy or (coupled and isinstance(runner, SpecserveMethod))  # same seeds, same tokens
+        identical, divergent, mismatched = compare(base.outputs, res.outputs) if comparable else (None, None, None)
         row = {
             "method": name,
             "dtype": ctx.dtype,

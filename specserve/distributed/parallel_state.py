@@ -8,6 +8,7 @@ and benchmarks can say how many collectives a step ran.
 from __future__ import annotations
 
 import collections
+import datetime
 import socket
 from dataclasses import dataclass, field
 
@@ -60,14 +61,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_tp_group(rank: int, size: int, init_method: str, backend: str | None = None) -> TPGroup:
-    """Join the ``size``-process world and return its TP group (all ranks)."""
+COLLECTIVE_TIMEOUT_S = 120  # the group set-up and any one collective; a dead peer is noticed at once
+
+
+def init_tp_group(rank: int, size: int, init_method: str, backend: str | None = None,
+                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TPGroup:
+    """Join the ``size``-process world and return its TP group (all ranks). The set-up and every
+    collective give up after ``timeout_s`` (a rank that never joins, or hangs); a rank whose process
+    died breaks its peers' connections, so they fail at once."""
     if size == 1:
         return TPGroup()
     backend = backend or "gloo"  # the TP ranks are CPU processes
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    group = dist.new_group(list(range(size)), backend=backend)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    group = dist.new_group(list(range(size)), backend=backend, timeout=timeout)
     return TPGroup(rank=rank, size=size, group=group)
 
 

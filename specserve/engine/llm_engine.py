@@ -20,7 +20,8 @@ import torch
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device, resolve_quantization
 from specserve.engine.sequence import Sequence, Status
-from specserve.models.loader import gguf_source, resolve_model_dir
+from specserve.models.loader import gguf_source, read_config, resolve_model_dir
+from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import TreeBuffers, TreeCache, verify_tree_greedy, verify_tree_sample
@@ -42,8 +43,15 @@ class LLMEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model_dir = resolve_model_dir(model)
+        model_config = read_config(self.model_dir)  # an unsupported architecture is named before anything else
+        if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({model_config.max_position_embeddings})")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = device = resolve_device(device, cfg.tensor_parallel_size)
+        # the speculative configuration is checked before any model or worker process loads
+        spec, self.branch_opts = split_ngram_branch(cfg.speculative)
+        self.proposer = build_proposer(spec)
         if cfg.tensor_parallel_size > 1:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
@@ -55,6 +63,13 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs,
                                       quantization=cfg.quantization)
+        try:
+            self._set_up(cfg)
+        except BaseException:  # no worker process outlives a failed start
+            self.shutdown()
+            raise
+
+    def _set_up(self, cfg: EngineConfig) -> None:
         self.model_config = self.runner.config
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
@@ -63,12 +78,11 @@ class LLMEngine:
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
-        spec, self.branch_opts = split_ngram_branch(cfg.speculative)
         self._branch_trees = TreeCache.by_parents()  # grafted shapes recur
         self.branch_acceptance = BranchAcceptance(self.ngram_branch) if self.ngram_branch else None
         self.ngram_pool = NgramPool() if self.ngram_branch and self.branch_opts.pool else None
-        self.proposer = build_proposer(spec)
         self.proposer.load_model(self.runner)
+        self.runner.reset_kv()  # the start-up measurements' cache (many slots) is not kept
         self.metrics = SpecMetrics()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -81,7 +95,10 @@ class LLMEngine:
                       "ngram_branch_tokens": 0, "ngram_branch_wins": 0}
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise what ``add_request`` would raise for this request, queueing nothing."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         V = self.model_config.vocab_size
@@ -90,9 +107,13 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+        self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         gen = torch.Generator().manual_seed(seed)
         seq = Sequence(next(self._ids), prompt, prompt_ids, params, gen, self.tokenizer, self.eos_ids, self.max_model_len)
+        seq.seed = seed
         self.waiting.append(seq)
         return seq
 
@@ -105,6 +126,12 @@ class LLMEngine:
         if seq in self.running:
             seq._finish("abort")
             self._free_finished()
+        self._shrink_if_idle()
+
+    def _shrink_if_idle(self) -> None:
+        """No sequence left: the KV cache goes back to its small start (``ModelRunner.reset_kv``)."""
+        if not self.running and not self.waiting:
+            self.runner.reset_kv()
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -124,6 +151,7 @@ class LLMEngine:
             touched.extend(s for s in self.running if s not in touched)
             self._decode()
         self._free_finished()
+        self._shrink_if_idle()
         self.stats["steps"] += 1
         return touched
 
@@ -154,12 +182,20 @@ class LLMEngine:
                         self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
                                               [a[i, : len(piece)] for a in out.aux], reset=start == 0)
             sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
-            tokens = sample(out.logits, sb)
-            for s, t in zip(group, tokens.tolist()):
+            tokens = sample(out.logits, sb).tolist()
+            for i, s in enumerate(group):
+                if self._coupled(s):  # the first output token's position-keyed draw
+                    tokens[i] = coupled_tokens(out.logits[i : i + 1], sb.subset([i]), s.seed, [len(s.prompt_ids)])[0]
+            for s, t in zip(group, tokens):
                 s.num_computed = len(s.prompt_ids)
                 s.append_tokens([t])
                 self.stats["prefill_tokens"] += len(s.prompt_ids)
         self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def _coupled(self, s: Sequence) -> bool:
+        """Whether ``s`` samples with position-keyed randomness (``sample.coupled``): a random request
+        under ``sampling_mode="coupled"`` (greedy requests need no randomness)."""
+        return self.cfg.sampling_mode == "coupled" and not s.params.greedy
 
     def _draft_budget(self, s: Sequence, k: int | None = None) -> int:
         """Drafts worth verifying for ``s`` (at most ``k``, default the proposer's): none past max_tokens
@@ -216,11 +252,19 @@ class LLMEngine:
         if any_tree:
             results = self._verify_trees(seqs, trees, chains, prop, out.logits, sb, starts)
         else:
-            maxk = max(len(c) for c in chains)
-            dp = prop.draft_probs[:, :maxk] if prop.draft_probs is not None else None
-            res = rejection_sample(chains, dp, out.logits[:, : maxk + 1], sb).tolist()
-            results = [([t for t in row if t != PLACEHOLDER], list(range(len(row) - row.count(PLACEHOLDER))))
-                       for row in res]
+            results = [None] * len(seqs)
+            for b, s in enumerate(seqs):
+                if self._coupled(s):
+                    emitted = verify_chain_coupled(chains[b], out.logits[b], sb.subset([b]), s.seed, len(s.all_ids))
+                    results[b] = (emitted, list(range(len(emitted))))
+            rows = [b for b, r in enumerate(results) if r is None]
+            if rows:  # rejection sampling (vLLM's semantics) for the others
+                maxk = max(len(chains[b]) for b in rows)
+                dp = prop.draft_probs[rows, :maxk] if prop.draft_probs is not None else None
+                res = rejection_sample([chains[b] for b in rows], dp, out.logits[rows, : maxk + 1],
+                                       sb.subset(rows) if len(rows) < len(seqs) else sb).tolist()
+                for b, row in zip(rows, res):
+                    results[b] = ([t for t in row if t != PLACEHOLDER], list(range(len(row) - row.count(PLACEHOLDER))))
         emitted_total = 0
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
@@ -266,6 +310,11 @@ class LLMEngine:
         """Per sequence: (emitted tokens, indices of the new positions now kept in the cache)."""
         results = []
         for b, (s, t) in enumerate(zip(seqs, trees)):
+            coupled = self._coupled(s) and self.proposer.lossy_verify is None
+            if t is None and coupled:
+                emitted = verify_chain_coupled(chains[b], logits[b], sb.subset([b]), s.seed, len(s.all_ids))
+                results.append((emitted, list(range(len(emitted)))))
+                continue
             if t is None:  # a chain row in a tree batch
                 k = len(chains[b])
                 dp = prop.draft_probs[b : b + 1, :k] if prop.draft_probs is not None and k else None
@@ -277,6 +326,9 @@ class LLMEngine:
             tok = torch.tensor(t.tokens, dtype=torch.long)
             if s.params.greedy:
                 nodes, extra = verify_tree_greedy(tok, logits[b, :n], t.buffers)
+            elif coupled:
+                nodes, extra = verify_tree_coupled(tok, logits[b, :n], t.buffers, sb.subset([b]), s.seed,
+                                                   len(s.all_ids))
             elif self.proposer.lossy_verify is not None:
                 nodes, extra = self.proposer.lossy_verify(t.tokens, logits[b, :n], t.buffers, s.params, s.generator)
             else:

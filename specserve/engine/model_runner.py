@@ -10,8 +10,12 @@ through ``call_helper``, which runs on all ranks and returns the driver's result
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +155,7 @@ def pack_linears(module: torch.nn.Module) -> None:
             m.pack()
 
 
+KV_START_CAPACITY = 256  # positions per slot of a fresh KV cache
 ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count from 2 up to this
 
 
@@ -235,11 +240,20 @@ class ModelRunner:
             cpu_ops.get()  # built (once) or loaded now, not inside the first request
         if self.batch_invariant:
             make_batch_invariant(self.model)
-        cfg = self.config
-        self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, model.model.layers[0].self_attn.hkv, cfg.head_dim,
-                          self.dtype, device)
         self.max_num_seqs = max_num_seqs
+        self.reset_kv()
         self.helpers: dict[str, object] = {}
+
+    def reset_kv(self) -> None:
+        """A fresh, small KV cache (one slot; ``KVCache`` grows it as sequences need): what the engine
+        does when no sequence is left, so that memory follows the requests in flight."""
+        kv = getattr(self, "kv", None)
+        if kv is not None and kv.num_slots == 1 and kv.capacity <= KV_START_CAPACITY:
+            return
+        self.kv = None  # the old one is freed before the new one is made
+        cfg = self.config
+        self.kv = KVCache(cfg.num_hidden_layers, self.max_num_seqs, self.model.model.layers[0].self_attn.hkv,
+                          cfg.head_dim, self.dtype, self.device, KV_START_CAPACITY)
 
     # ---- rank-local helpers (drafters that run on every rank) ------------------------------------
     def attach(self, name: str, factory, *args, **kwargs) -> None:
@@ -270,7 +284,7 @@ class ModelRunner:
         lens = [len(t) for t in tokens]
         Q = max(lens)
         kv_len = max(s + n for s, n in zip(starts, lens))
-        self.kv.ensure(kv_len)
+        self.kv.ensure(kv_len, slot_start + B)
         if B == 1 and tree_mask is None:
             ids, pos, ctx = self._one_sequence(slot_start, tokens[0], starts[0], positions, kv_len)
         else:
@@ -353,19 +367,28 @@ class ModelRunner:
 # ---- tensor parallelism over processes ----------------------------------------------------------
 
 _REPLYING = ("collective_counts", "helper_report")  # calls whose worker results go back to the driver
+START_TIMEOUT_S = 600  # a worker's start: spawn, import, model load
+MAIN_GUARD_HINT = ("tensor-parallel workers are spawned processes that import your main script: a script that "
+                   "builds LLM(tensor_parallel_size>1) at module level must do so under "
+                   "`if __name__ == \"__main__\":`")
 
 
 def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn, quantization="auto"):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it finishes the step, then stops us
+    conn.send(("started", os.getpid()))
     torch.set_num_threads(threads)
     try:
         tp = init_tp_group(rank, size, init_method)
         runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs, quantization=quantization)
         conn.send(("ready", None))
     except BaseException as e:  # report, do not hang the driver
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the driver is gone: so are we
+            os._exit(0)
         if msg is None:
             break
         name, args, kwargs = msg
@@ -373,44 +396,69 @@ def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, thread
             out = getattr(runner, name)(*args, **kwargs)
             if name in _REPLYING:
                 conn.send(out[0] if name == "helper_report" else out)
-        except BaseException:
-            traceback.print_exc()
+        except BaseException as e:  # the ranks are out of step: report and leave (the driver's call fails too)
+            with contextlib.suppress(Exception):
+                conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
             os._exit(1)
-    try:
+    with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()
-    except Exception:
-        pass
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raise
+    it: a step the driver has started on the workers is finished on every rank, so an interrupted
+    ``generate`` leaves the group in step. Only the main thread receives signals; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            if callable(previous) and previous is not signal.default_int_handler:
+                previous(signal.SIGINT, None)
+            else:
+                raise KeyboardInterrupt
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker failed or died: the group cannot go on (create a new ``LLM``)."""
 
 
 class TPRunner:
-    """Driver side of a ``tensor_parallel_size`` > 1 run: rank 0 lives here, ranks 1.. in processes."""
+    """Driver side of a ``tensor_parallel_size`` > 1 run: rank 0 lives here, ranks 1.. in processes.
+    Every call to the workers runs with Ctrl-C deferred (``sigint_deferred``); a worker that dies is
+    reported with its exit code and last error, and the runner refuses further calls."""
 
     def __init__(self, model_dir, size: int, dtype="auto", max_num_seqs=16, num_threads=None,
                  quantization: str | None = "auto"):
         import torch.multiprocessing as mp
 
+        if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker importing the main script
+            raise RuntimeError(MAIN_GUARD_HINT)
         ctx = mp.get_context("spawn")
         threads = num_threads or max(1, (os.cpu_count() or 2) // size)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.conns, self.procs = [], []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True,
-                            args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child,
-                                  quantization))
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        torch.set_num_threads(threads)
+        self.failed: str | None = None
         try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, daemon=True,
+                                args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child,
+                                      quantization))
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+            self._await("started")
+            torch.set_num_threads(threads)
             self.local = ModelRunner(model_dir, init_tp_group(0, size, init_method), dtype, "cpu", max_num_seqs,
                                      quantization=quantization)
-            for c, p in zip(self.conns, self.procs):
-                if not c.poll(600):
-                    raise RuntimeError("a tensor-parallel worker did not start within 600 s")
-                status, err = c.recv()
-                if status != "ready":
-                    raise RuntimeError(f"tensor-parallel worker failed to start:\n{err}")
+            self._await("ready")
         except BaseException:
             self.shutdown()
             raise
@@ -420,10 +468,60 @@ class TPRunner:
         self.model_dir = self.local.model_dir
         self.packed, self.quantization = self.local.packed, self.local.quantization
 
+    def _await(self, what: str) -> None:
+        """Each worker's next message, which must be ``what``; a worker that dies or reports an error
+        first raises ``TPWorkerError`` (no waiting on a dead process)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (c, p) in enumerate(zip(self.conns, self.procs), 1):
+            while not c.poll(0.05):
+                if not p.is_alive():
+                    hint = f": {MAIN_GUARD_HINT}" if what == "started" else ""
+                    raise TPWorkerError(f"tensor-parallel worker {rank} exited (exit code {p.exitcode}) before it "
+                                        f"{what}{hint}")
+                if time.monotonic() > deadline:
+                    raise TPWorkerError(f"tensor-parallel worker {rank} did not get {what} within {START_TIMEOUT_S} s")
+            status, info = c.recv()
+            if status != what:
+                raise TPWorkerError(f"tensor-parallel worker {rank} failed to start: {info}")
+
+    def _worker_failure(self) -> str | None:
+        """What went wrong on the workers (a dead process, a reported error), or None."""
+        time.sleep(0.2)  # a dying worker's exit and message land
+        for rank, (c, p) in enumerate(zip(self.conns, self.procs), 1):
+            msg = None
+            with contextlib.suppress(Exception):
+                while c.poll(0):
+                    got = c.recv()
+                    if isinstance(got, tuple) and got and got[0] == "error":
+                        msg = got[1]
+            if msg is not None or not p.is_alive():
+                code = "" if p.is_alive() else f" (exit code {p.exitcode})"
+                return f"tensor-parallel worker {rank} failed{code}" + (f": {msg}" if msg else "")
+        return None
+
+    def _guarded(self, fn):
+        """Run ``fn`` (a step on every rank) with Ctrl-C deferred; a failure stops the whole group."""
+        if self.failed:
+            raise TPWorkerError(f"this LLM's tensor-parallel group failed earlier ({self.failed}); create a new LLM")
+        with sigint_deferred():
+            try:
+                return fn()
+            except BaseException as e:
+                why = self._worker_failure() or f"{type(e).__name__}: {e}"
+                self.failed = why.splitlines()[0]
+                self.shutdown()
+                raise TPWorkerError(self.failed) from e
+
     def _call(self, name, *args, **kwargs):
-        for c in self.conns:
-            c.send((name, args, kwargs))
-        return getattr(self.local, name)(*args, **kwargs)
+        def run():
+            for c in self.conns:
+                c.send((name, args, kwargs))
+            return getattr(self.local, name)(*args, **kwargs)
+
+        return self._guarded(run)
+
+    def _replies(self) -> list:
+        return [c.recv() for c in self.conns]
 
     def forward(self, *args, **kwargs) -> StepOutput:
         return self._call("forward", *args, **kwargs)
@@ -435,12 +533,19 @@ class TPRunner:
     def compact(self, *args):
         return self._call("compact", *args)
 
+    def reset_kv(self):
+        return self._call("reset_kv")
+
     def attach(self, name, factory, *args, **kwargs) -> None:
         """Build the helper on every rank (``factory`` must be importable by name: it is pickled). The
         driver builds it first, so a failure (a bad checkpoint) is raised here before any worker tries."""
         self.local.attach(name, factory, *args, **kwargs)
-        for c in self.conns:
-            c.send(("attach", (name, factory) + args, kwargs))
+
+        def send():
+            for c in self.conns:
+                c.send(("attach", (name, factory) + args, kwargs))
+
+        self._guarded(send)
 
     def call_helper(self, name, method, *args, **kwargs):
         """Run ``method`` of helper ``name`` on every rank; the driver's result is returned."""
@@ -451,26 +556,30 @@ class TPRunner:
 
     def helper_report(self, name, method, *args, **kwargs) -> list:
         local = self._call("helper_report", name, method, *args, **kwargs)
-        return local + [c.recv() for c in self.conns]
+        return local + self._guarded(self._replies)
 
     def collective_counts(self) -> list[dict]:
         local = self._call("collective_counts")
-        return [local] + [c.recv() for c in self.conns]
+        return [local] + self._guarded(self._replies)
 
     @property
     def model(self):
         return self.local.model
 
     def shutdown(self) -> None:
+        """Stop the workers: asked to leave, then terminated, then killed (a worker never outlives it)."""
         for c in self.conns:
-            try:
+            with contextlib.suppress(Exception):
                 c.send(None)
-            except Exception:
-                pass
+        deadline = time.monotonic() + 3
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
         self.conns, self.procs = [], []
         try:
             if torch.distributed.is_initialized():

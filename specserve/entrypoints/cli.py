@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--sampling-mode", choices=("coupled", "rejection"), default="coupled",
+                   help="coupled (default): a seeded request gives plain decoding's tokens for that seed with any "
+                        "drafter; rejection: vLLM's rejection sampler (exact in distribution)")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     g.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
@@ -207,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--sampling-mode", choices=("coupled", "rejection"), default="coupled",
+                   help="how specserve rows sample at --temperature > 0 (default coupled: each request's tokens "
+                        "are plain decoding's with its seed, so they are compared too)")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads for every method (default: torch's default)")
     b.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
@@ -416,7 +422,7 @@ def cmd_generate(args) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device,
-              quantization=quantization_arg(args.quantization))
+              quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode)
     try:
         if args.chat:
             prompt = {"prompt": args.prompt,
@@ -461,7 +467,7 @@ def cmd_bench(args) -> int:
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
                      tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
-                     device=args.device, quantizations=args.quantization)
+                     device=args.device, quantizations=args.quantization, sampling_mode=args.sampling_mode)
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
     where = f"{r0['threads']} threads{tp}" if r0["device"] == "cpu" else r0["device"]
@@ -644,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except BrokenPipeError:  # e.g. `specserve generate ... | head`
         return 0
-    except (CLIError, ValueError, OSError, NotImplementedError) as e:
+    except (CLIError, ValueError, TypeError, OSError, NotImplementedError) as e:
         msg = str(e) or type(e).__name__
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{msg}: {e.filename}"

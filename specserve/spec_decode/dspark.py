@@ -294,6 +294,8 @@ class DSparkProposer(Proposer):
         self._trees = TreeCache(lambda parents: TreeBuffers.from_parents([-1, *parents]))
         self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes
         self.model_path = Path(model)
+        if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
+            raise FileNotFoundError(f"{self.name} checkpoint not found: {self.model_path}")
         self.requested_k = num_speculative_tokens
         self.sample_method = draft_sample_method
         self.verify_mode = dspark_verify
@@ -309,8 +311,6 @@ class DSparkProposer(Proposer):
         self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
 
     def load_model(self, target) -> None:
-        if not self.model_path.exists():
-            raise FileNotFoundError(f"DSpark checkpoint not found: {self.model_path}")
         target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate, self.draft_dtype,
                       self.draft_quantization)
         self.worker: DSparkDraftWorker = target.helper(self.name)

@@ -101,6 +101,8 @@ class MedusaProposer(Proposer):
             raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
         self.requested_k = num_speculative_tokens
         self.model_path = Path(model) if model else SHIPPED_DIR
+        if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
+            raise FileNotFoundError(f"Medusa checkpoint not found: {self.model_path}")
         self.tree_spec = medusa_tree
         self.topk = medusa_topk
         self.acceptance = acceptance
@@ -125,8 +127,6 @@ class MedusaProposer(Proposer):
         from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
 
         tcfg = target.config
-        if not self.model_path.exists():
-            raise FileNotFoundError(f"Medusa checkpoint not found: {self.model_path}")
         cfg, sd = load_medusa_checkpoint(self.model_path, tcfg.hidden_size, tcfg.vocab_size)
         self.cfg: MedusaConfig = cfg
         self.heads = MedusaHeads(cfg, target.tp, dtype=target.dtype)

@@ -88,3 +88,24 @@ def test_chat_answers(default_llm_fp32):
     two = default_llm_fp32.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]],
                                 SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(two) == 2
+
+
+def test_peak_memory_of_one_long_prompt_does_not_depend_on_max_num_seqs():
+    """Peak resident memory of a process that decodes one 2,000-token prompt on the default model:
+    the same (within 5%) with max_num_seqs 1 and 16 (each in its own process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys\n"
+        "from specserve import LLM, SamplingParams\n"
+        "llm = LLM(max_num_seqs=int(sys.argv[1]))\n"
+        "ids = [(i * 7919) % 40000 + 100 for i in range(2000)]\n"
+        "llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    peak = {}
+    for seqs in (1, 16):
+        out = subprocess.run([sys.executable, "-c", script, str(seqs)], capture_output=True, text=True, check=True)
+        peak[seqs] = int(out.stdout.split()[-1])
+    assert abs(peak[16] - peak[1]) < 0.05 * peak[1], peak

@@ -87,16 +87,16 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample
     ``-bf16draft``: the drafter in bfloat16 beside the float32 target (its q, float32 probabilities of
     bfloat16 logits, is what the rejection sampler reads); ``-int4draft``: its weights in 4 bits."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
-    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     mode = {"dspark_tree": "auto"} if verify.startswith("tree") else {"dspark_verify": verify.split("-")[0]}
     calibrated = verify.endswith("-calibrated")
     if verify.endswith("-bf16draft"):
         mode["draft_dtype"] = "bfloat16"
     if verify.endswith("-int4draft"):
         mode["draft_quantization"] = "int4"
-    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64, speculative_config={
-        "method": "dspark", "model": str(drafter), "draft_sample_method": sample, "online_calibration": calibrated,
-        **mode})
+    spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+               speculative_config={"method": "dspark", "model": str(drafter), "draft_sample_method": sample,
+                                   "online_calibration": calibrated, **mode})
     if verify.endswith("-bf16draft"):
         assert spec.engine.runner.helper("dspark").drafter.fc.weight.dtype == torch.bfloat16
     if verify.endswith("-int4draft"):
@@ -120,7 +120,7 @@ def test_engine_drafts_from_the_features_of_the_kept_prefix(small_vocab_model, t
     acceptances and rejections): its drafts and confidences equal an offline proposal over one full
     forward of the final sequence, and the steps walk the output (next anchor = accepted drafts + 1)."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
-    llm = LLM(model=str(small_vocab_model), dtype="float32",
+    llm = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32",
               speculative_config={"method": "dspark", "model": str(drafter)})
     prop = llm.engine.proposer
     w = prop.worker

@@ -61,3 +61,34 @@ def test_tree_mask_matches_separate_chains(tiny_llama):
     chain2 = ref.forward(0, [PROMPT + [50, 70]], [0], "all").logits[0, n:]
     for got, want in [(out[0], chain1[0]), (out[1], chain1[1]), (out[3], chain1[2]), (out[2], chain2[1])]:
         assert (got - want).abs().max().item() < 1e-5
+
+
+def test_kv_memory_follows_the_requests_in_flight(tiny_llama, monkeypatch):
+    """One long request costs one slot's cache whatever ``max_num_seqs`` allows; slots come as the
+    running batch reaches them; an idle engine's cache goes back to its small start."""
+    from specserve import LLM, SamplingParams
+    from specserve.engine.kv_cache import KVCache
+
+    peaks, slots_seen = [], []
+    ensure = KVCache.ensure
+
+    def tracked(self, needed, slots=0):
+        ensure(self, needed, slots)
+        peaks.append(self.nbytes())
+        slots_seen.append(self.num_slots)
+
+    monkeypatch.setattr(KVCache, "ensure", tracked)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    long = [5 + i % 200 for i in range(480)]
+    used = {}
+    for seqs in (1, 16):
+        llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=seqs)
+        peaks.clear()
+        out = llm.generate([long], params, use_tqdm=False)
+        used[seqs] = max(peaks)
+        assert llm.engine.runner.kv.num_slots == 1 and llm.engine.runner.kv.capacity == 256  # idle: reset
+    assert used[1] == used[16] and out[0].outputs[0].token_ids
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=16)
+    slots_seen.clear()
+    llm.generate([[1, 2, 3]] * 5, params, use_tqdm=False)
+    assert max(slots_seen) == 5  # five requests at once: five slots, not sixteen

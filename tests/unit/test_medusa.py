@@ -107,7 +107,7 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
     (after partial acceptances and rejections), as one full forward of the final sequence gives it,
     and the steps walk the output (next start = accepted drafts + 1)."""
     heads = make_heads(tmp_path / "h", 64, 16, num_heads=3)
-    llm = LLM(model=str(small_vocab_model), dtype="float32",
+    llm = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32",
               speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
     prop = llm.engine.proposer
     steps = []
@@ -139,8 +139,8 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, 
     heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=quantization is not None,
                        scale=1.0, draft_vocab=draft_vocab)
     fmt = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
-    plain = LLM(model=str(small_vocab_model), max_num_seqs=64, **fmt)
-    spec = LLM(model=str(small_vocab_model), max_num_seqs=64, **fmt,
+    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt)
+    spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt,
                speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
                                    "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify[:4],
                                    "online_calibration": verify == "auto-calibrated"})

@@ -206,9 +206,9 @@ def test_the_pool_offers_earlier_requests_continuations(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("kind,branch", [("medusa", 4), ("dspark-tree", 4), ("medusa-dynamic", POOLED)])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, kind, branch):
-    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
     branch = {"ngram_branch": branch} if isinstance(branch, int) else branch
-    spec = _verify_all(LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+    spec = _verify_all(LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
                            speculative_config={**_drafter(kind, small_vocab_model, tmp_path), **branch}))
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)

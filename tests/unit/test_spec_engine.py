@@ -178,8 +178,8 @@ def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantizati
     int4 weights (the rejection sampler over a quantized target)."""
     kw = dict(model=str(small_vocab_model), max_num_seqs=64, quantization=quantization,
               dtype="auto" if quantization else "float32")
-    plain = LLM(**kw)
-    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    plain = LLM(sampling_mode="rejection", **kw)
+    spec = LLM(sampling_mode="rejection", **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     a = sample_prefixes(plain, 2000, 0, k=4)
     b = sample_prefixes(spec, 2000, 100_000, k=4)
     m = spec.get_metrics()
@@ -189,8 +189,8 @@ def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantizati
 
 
 def test_tree_distribution_matches_plain_sampling(small_vocab_model, oracle_tree_registered):
-    plain = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
-    spec = LLM(model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
                speculative_config={"method": "oracle-tree", "num_speculative_tokens": 3,
                                    "model": str(small_vocab_model)})
     # 5 tokens: the first comes from the prefill, the next step verifies a 3-deep tree

@@ -1,0 +1,134 @@
+"""Tensor-parallel faults: an interrupted generate leaves the group in step, a dead worker is reported
+within seconds, a failed ``LLM()`` or a dead owner leaves no worker behind, a script without a main
+guard gets an error that says what to add instead of a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.engine.model_runner import TPWorkerError
+
+pytestmark = pytest.mark.multiproc
+PARAMS = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3], [11, 12]]
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie child of this process counts as gone once reaped by its parent
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_keyboard_interrupt_mid_generate_leaves_the_group_usable(tiny_llama):
+    """Ctrl-C (SIGINT to this process) at several points of a generate: KeyboardInterrupt is raised,
+    the requests are dropped, and the next generate on the same LLM gives a fresh LLM's tokens."""
+    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, PARAMS, use_tqdm=False)]
+    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        for delay in (0.05, 0.13, 0.31):
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                for _ in range(50):  # long enough for the timer to fire inside a generate
+                    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            timer.join()
+            assert not llm.engine.waiting and not llm.engine.running
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+            assert got == want
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_worker_is_reported_and_the_llm_refuses_further_work(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2)
+    try:
+        (worker,) = llm.engine.runner.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TPWorkerError, match=r"tensor-parallel worker 1 failed \(exit code -9\)"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(TPWorkerError, match="failed earlier .* create a new LLM"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_llm_leaves_no_worker(tiny_llama, tmp_path):
+    """A speculative configuration that cannot work fails before any worker starts; one that fails
+    while loading (a drafter checkpoint that is not one) stops the workers it started."""
+    import multiprocessing as mp
+
+    t0 = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        LLM(model=str(tiny_llama), tensor_parallel_size=2,
+            speculative_config={"method": "dspark", "model": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        LLM(model=str(tiny_llama), tensor_parallel_size=2, speculative_config={"method": "eagle9"})
+    assert time.monotonic() - t0 < 3 and not mp.active_children()  # no worker was started
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(Exception):
+        LLM(model=str(tiny_llama), tensor_parallel_size=2, dtype="float32",
+            speculative_config={"method": "dspark", "model": str(bad)})
+    assert not mp.active_children()
+
+
+def _run_script(tmp_path, body: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path)
+
+
+def test_workers_die_with_their_owner(tiny_llama, tmp_path):
+    """The process that owns an LLM is killed (SIGKILL: no clean-up runs): its workers exit."""
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from specserve import LLM
+        if __name__ == "__main__":
+            llm = LLM(model={str(tiny_llama)!r}, dtype="float32", tensor_parallel_size=2)
+            print(*[p.pid for p in llm.engine.runner.procs], flush=True)
+            time.sleep(600)
+    """))
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = [int(x) for x in owner.stdout.readline().split()]
+        assert pids
+        owner.kill()
+        owner.wait()
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        owner.kill()
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tiny_llama, tmp_path):
+    out = _run_script(tmp_path, f"""
+        from specserve import LLM
+        llm = LLM(model={str(tiny_llama)!r}, dtype="float32", tensor_parallel_size=2)
+        print("built")
+    """)
+    assert out.returncode != 0 and "built" not in out.stdout
+    assert 'if __name__ == "__main__":' in out.stderr.splitlines()[-1]
