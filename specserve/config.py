@@ -275,7 +275,9 @@ class EngineConfig:
     "coupled" (each position's randomness from the request's seed and the position alone: a seeded
     request's text is plain decoding's with that seed, whatever the drafter, batch or tensor-parallel
     size; ``sample.coupled``) or "rejection" (vLLM's rejection sampler: exact in distribution, one
-    random stream per request)."""
+    random stream per request). kv_cache_memory: GiB of KV cache blocks (None: room for max_num_seqs
+    sequences of max_model_len, at most a quarter of the machine's memory; reserved, resident as used).
+    enable_prefix_caching: requests share the cached blocks of a common prompt prefix."""
 
     dtype: str = "auto"
     quantization: str | None = "auto"
@@ -287,6 +289,8 @@ class EngineConfig:
     num_threads: int | None = None
     speculative: SpeculativeConfig | None = None
     sampling_mode: str = "coupled"
+    kv_cache_memory: float | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_num_seqs", "prefill_chunk", "seed", "num_threads", "max_model_len"):
@@ -304,6 +308,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16, got {self.prefill_chunk}")
+        if self.kv_cache_memory is not None:
+            check_number("kv_cache_memory", self.kv_cache_memory)
+            if not self.kv_cache_memory > 0:
+                raise ValueError(f"kv_cache_memory must be > 0 (GiB) or None, got {self.kv_cache_memory}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.sampling_mode not in ("coupled", "rejection"):
             raise ValueError(f"sampling_mode must be 'coupled' or 'rejection', got {self.sampling_mode!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

@@ -92,7 +92,9 @@ constexpr int64_t ROW_CHUNK = 32;   // query rows of one kv head per task
 constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
 
 struct AttnArgs {
-  int64_t B, Q, H, Hkv, G, D, L, cap, slot_start;
+  int64_t B, Q, H, Hkv, G, D, L, BS, bs_shift;  // BS = 1 << bs_shift: positions per cache block
+  const int64_t* tables;              // [B, NB]: each row's block table
+  int64_t NB;
   int64_t qs0, qs1, qs2;  // q strides (last dim contiguous)
   const uint8_t* mask;     // nullptr or bool [B, 1, Q, L]
   int64_t ms0, ms2, ms3;
@@ -108,8 +110,13 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
   const int64_t nc = NC > 0 ? NC : D / 8;
   const int64_t i_max = (r1 - 1) / G;
   const int64_t jend = a.causal ? std::min(L, i_max + 1) : L;
-  const T* K = cache + (((a.slot_start + b) * 2 + 0) * a.Hkv + kvh) * a.cap * D;
-  const T* V = cache + (((a.slot_start + b) * 2 + 1) * a.Hkv + kvh) * a.cap * D;
+  // position p of this row and kv head: block tables[b][p / BS], offset p % BS of the pool
+  // [blocks, 2, Hkv, BS, D]; kv 0 keys, 1 values
+  const int64_t* tab = a.tables + b * a.NB;
+  const int64_t BS = a.BS, shift = a.bs_shift, low = BS - 1;  // BS a power of two: no division per key
+  auto at = [&](int64_t kv, int64_t p) -> const T* {
+    return cache + (((tab[p >> shift] * 2 + kv) * a.Hkv + kvh) * BS + (p & low)) * D;
+  };
 
   std::vector<v8d> qd(nr * nc), acc(nr * nc), buf(KEY_BLOCK * nc);
   std::vector<double> s(nr * std::max<int64_t>((jend + 7) / 8 * 8, 8));
@@ -128,8 +135,11 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
   // scores
   for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
     const int64_t jn = std::min(KEY_BLOCK, jend - jb);
-    for (int64_t j = 0; j < jn; ++j)
-      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(K + (jb + j) * D + 8 * c);
+    const T* row = nullptr;
+    for (int64_t j = 0; j < jn; ++j) {
+      row = (j == 0 || ((jb + j) & low) == 0) ? at(0, jb + j) : row + D;  // a block's rows are adjacent
+      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(row + 8 * c);
+    }
     for (int64_t r = 0; r < nr; ++r) {
       const v8d* qv = &qd[r * nc];
       double* sr = &s[r * sstride + jb];
@@ -175,8 +185,11 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
   // weighted values (keys in order)
   for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
     const int64_t jn = std::min(KEY_BLOCK, jend - jb);
-    for (int64_t j = 0; j < jn; ++j)
-      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(V + (jb + j) * D + 8 * c);
+    const T* row = nullptr;
+    for (int64_t j = 0; j < jn; ++j) {
+      row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;  // a block's rows are adjacent
+      for (int64_t c = 0; c < nc; ++c) buf[j * nc + c] = load8(row + 8 * c);
+    }
     for (int64_t r = 0; r < nr; ++r) {
       const double* pr = &s[r * sstride + jb];
       double tot = total[r];
@@ -246,11 +259,12 @@ void attn_dispatch(const AttnArgs& a, const T* q, const T* cache, T* out, bool p
 
 }  // namespace
 
-// q [B, Q, H, D] (last dim contiguous), cache [slots, 2, Hkv, cap, D] contiguous, mask bool [B, 1, Q, L]
-// or None -> [B, Q, H * D]. Work above ``parallel_work`` multiply-adds runs on the intra-op threads.
-at::Tensor attention(at::Tensor q, at::Tensor cache, int64_t slot_start, int64_t kv_len,
+// q [B, Q, H, D] (last dim contiguous), cache: the block pool [blocks, 2, Hkv, BS, D] contiguous, tables
+// int64 [B, NB] (each row's blocks, NB * BS >= kv_len), mask bool [B, 1, Q, L] or None -> [B, Q, H * D].
+// Work above ``parallel_work`` multiply-adds runs on the intra-op threads.
+at::Tensor attention(at::Tensor q, at::Tensor cache, at::Tensor tables, int64_t kv_len,
                      c10::optional<at::Tensor> mask, bool causal, double scale, int64_t parallel_work) {
-  TORCH_CHECK(q.dim() == 4 && cache.dim() == 5, "attention: q [B, Q, H, D], cache [slots, 2, Hkv, cap, D]");
+  TORCH_CHECK(q.dim() == 4 && cache.dim() == 5, "attention: q [B, Q, H, D], cache [blocks, 2, Hkv, BS, D]");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "attention: q and cache dtypes differ");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "attention: bf16 or f32");
   if (q.stride(3) != 1) q = q.contiguous();
@@ -261,11 +275,23 @@ at::Tensor attention(at::Tensor q, at::Tensor cache, int64_t slot_start, int64_t
   a.H = q.size(2);
   a.D = q.size(3);
   a.Hkv = cache.size(2);
-  a.cap = cache.size(3);
+  a.BS = cache.size(3);
+  TORCH_CHECK(a.BS > 0 && (a.BS & (a.BS - 1)) == 0, "attention: the block size must be a power of two");
+  a.bs_shift = 0;
+  while ((int64_t{1} << a.bs_shift) < a.BS) ++a.bs_shift;
   a.L = kv_len;
-  a.slot_start = slot_start;
   TORCH_CHECK(a.D % 8 == 0 && cache.size(4) == a.D && a.H % a.Hkv == 0, "attention: shapes");
-  TORCH_CHECK(slot_start + a.B <= cache.size(0) && kv_len <= a.cap && kv_len >= 0, "attention: cache range");
+  tables = tables.contiguous();
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == a.B &&
+                  tables.size(1) * a.BS >= kv_len && kv_len >= 0, "attention: tables [B, NB] int64 cover kv_len");
+  a.tables = tables.data_ptr<int64_t>();
+  a.NB = tables.size(1);
+  {
+    const int64_t nb_used = (kv_len + a.BS - 1) / a.BS, nblocks = cache.size(0);
+    for (int64_t b = 0; b < a.B; ++b)
+      for (int64_t i = 0; i < nb_used; ++i)
+        TORCH_CHECK(a.tables[b * a.NB + i] >= 0 && a.tables[b * a.NB + i] < nblocks, "attention: block id");
+  }
   a.G = a.H / a.Hkv;
   a.qs0 = q.stride(0);
   a.qs1 = q.stride(1);
@@ -454,12 +480,13 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
 // attention above: ``LlamaDecoderLayer.forward_fused`` in one call, the same bits. h: the residual stream
 // [B, Q, d]; x: the previous layer's MLP output not yet added (None for the first layer); ln: the two norm
 // weights; w / bits / n: packed qkv, o, gate_up, down with their code bits and output features; heads:
-// (H, Hkv, D); cos, sin [B or 1, Q, 1, D] (``RotaryEmbedding.rotation``); widx [B, Q]: the cache position
-// each new token is written to. Returns (h, mlp output).
+// (H, Hkv, D); cos, sin [B or 1, Q, 1, D] (``RotaryEmbedding.rotation``); cache, tables: the block pool and
+// the rows' block tables (``attention``); widx [B, Q]: the cache position each new token is written to (-1:
+// the scratch entry, block 0 offset 0). Returns (h, mlp output).
 std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x, std::vector<at::Tensor> ln,
                                       double eps, int64_t vec, std::vector<at::Tensor> w, std::vector<int64_t> bits,
                                       std::vector<int64_t> n, std::vector<int64_t> heads, at::Tensor cos,
-                                      at::Tensor sin, at::Tensor cache, int64_t slot_start, at::Tensor widx,
+                                      at::Tensor sin, at::Tensor cache, at::Tensor tables, at::Tensor widx,
                                       int64_t kv_len, c10::optional<at::Tensor> mask, bool causal, double scale,
                                       int64_t parallel_work, int64_t grain, int64_t tile) {
   TORCH_CHECK(ln.size() == 2 && w.size() == 4 && bits.size() == 4 && n.size() == 4 && heads.size() == 3,
@@ -469,7 +496,10 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
   const int64_t H = heads[0], Hkv = heads[1], D = heads[2], inter = n[2] / 2;
   TORCH_CHECK(n[0] == (H + 2 * Hkv) * D && n[1] == d && n[3] == d, "decoder_layer: linear sizes");
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(2) == Hkv && cache.size(4) == D &&
-                  cache.scalar_type() == at::kBFloat16, "decoder_layer: cache [slots, 2, Hkv, cap, D] bfloat16");
+                  cache.scalar_type() == at::kBFloat16, "decoder_layer: cache [blocks, 2, Hkv, BS, D] bfloat16");
+  tables = tables.contiguous();
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == B,
+              "decoder_layer: tables [B, NB] int64");
   TORCH_CHECK(widx.scalar_type() == at::kLong && widx.numel() == T, "decoder_layer: widx [B, Q] int64");
   std::vector<at::Tensor> hn = x.has_value() ? add_rms_norm(h, *x, ln[0], eps, vec)
                                              : std::vector<at::Tensor>{h, rms_norm(h, ln[0], eps, vec)};
@@ -485,20 +515,23 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
     rotate(pq + b * Q * (H + 2 * Hkv) * D, Q, H + 2 * Hkv, H + Hkv, D, cos.data_ptr<at::BFloat16>() + off,
            sin.data_ptr<at::BFloat16>() + off);
   }
-  // keys and values into the cache: [slot, 2, Hkv, position, D]
+  // keys and values into the cache: block tables[b][pos / BS], offset pos % BS of [blocks, 2, Hkv, BS, D]
   auto* pc = cache.data_ptr<at::BFloat16>();
   const auto* pw = widx.contiguous().data_ptr<int64_t>();
-  const int64_t cap = cache.size(3);
+  const auto* pt = tables.data_ptr<int64_t>();
+  const int64_t BS = cache.size(3), NB = tables.size(1), nblocks = cache.size(0);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t b = t / Q, pos = pw[t];
-    TORCH_CHECK(pos >= 0 && pos < cap, "decoder_layer: cache position out of range");
+    TORCH_CHECK(pos >= -1 && pos < NB * BS, "decoder_layer: cache position out of range");
+    const int64_t blk = pos < 0 ? 0 : pt[b * NB + pos / BS], off = pos < 0 ? 0 : pos % BS;
+    TORCH_CHECK(blk >= 0 && blk < nblocks, "decoder_layer: block id");
     for (int64_t kv = 0; kv < 2; ++kv)
       for (int64_t g = 0; g < Hkv; ++g)
-        std::memcpy(pc + ((((slot_start + b) * 2 + kv) * Hkv + g) * cap + pos) * D,
+        std::memcpy(pc + (((blk * 2 + kv) * Hkv + g) * BS + off) * D,
                     pq + (t * (H + 2 * Hkv) + H + kv * Hkv + g) * D, D * sizeof(at::BFloat16));
   }
   auto q = qkv.view({B, Q, H + 2 * Hkv, D}).narrow(2, 0, H);
-  auto a = attention(q, cache, slot_start, kv_len, mask, causal, scale, parallel_work);
+  auto a = attention(q, cache, tables, kv_len, mask, causal, scale, parallel_work);
   auto o = linear(a.view({T, H * D}), w[1], bits[1], n[1], grain, tile);
   auto hn2 = add_rms_norm(hn[0], o.view({B, Q, d}), ln[1], eps, vec);
   auto gu = linear(hn2[1].view({T, d}), w[2], bits[2], n[2], grain, tile);
@@ -510,7 +543,7 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention", &attention, "batch-invariant float64 attention over a slot KV cache");
+  m.def("attention", &attention, "batch-invariant float64 attention over a paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");
   m.def("group_gemm", &group_gemm, "x W^T for W in 4- or 8-bit groups of 32 (layers.quant.pack_groups), bfloat16");

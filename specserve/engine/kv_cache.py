@@ -1,68 +1,123 @@
-"""Static-shape KV cache with one slot per running sequence.
+"""Paged KV cache: a pool of fixed-size blocks per layer, addressed through block tables.
 
-Layout per layer: ``[num_slots, 2, kv_heads, capacity, head_dim]``, keys then values, so that one copy
-writes both and one cast reads both (``Attention``); ``k[i]`` and ``v[i]`` are views of layer ``i``. The
-running batch occupies slots ``0..B-1`` so that a decode step attends to a view, never a copy. Capacity
-grows by doubling when a sequence needs more room, and slots are allocated as the running batch reaches
-them (up to ``max_slots``): one long request costs one slot's memory whatever ``max_num_seqs`` allows.
-The last index is a scratch entry that padding tokens write to.
+Layout per layer: ``[num_blocks, 2, kv_heads, block_size, head_dim]``, keys then values, so that one
+copy writes both. ``BlockManager`` decides which block holds which positions of which sequence (block
+0: the scratch block that padding tokens write to). A forward gives every row its table as a tensor
+``[B, max blocks]`` (shorter rows padded with the scratch block) and every new token a (block, offset)
+to write to; attention reads keys through the tables (``Attention``, the C++ ``attention``).
+
+The pool is reserved (``torch.empty``) and its pages become resident as blocks are first used, each
+zeroed then: memory follows the tokens in flight, up to the budget the engine sets at start-up.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specserve.engine.block_manager import SCRATCH, BlockManager, OutOfBlocks
+
+BLOCK_SIZE = 16  # positions per block
+
 
 class KVCache:
-    def __init__(self, num_layers, max_slots, kv_heads, head_dim, dtype, device="cpu", capacity=256):
+    def __init__(self, num_layers, max_slots, kv_heads, head_dim, dtype, device="cpu", num_blocks: int = 1024,
+                 block_size: int = BLOCK_SIZE):
         self.num_layers, self.max_slots = num_layers, max_slots
-        self.num_slots = 0  # allocated so far (``ensure``)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.capacity = 0
-        self.kv: list[torch.Tensor] = []  # per layer [num_slots, 2, kv_heads, capacity, head_dim]
-        self.k: list[torch.Tensor] = []  # views: kv[i][:, 0]
-        self.v: list[torch.Tensor] = []  # views: kv[i][:, 1]
-        self.ensure(capacity - 1, 1)
+        self.block_size = block_size
+        self.blocks = BlockManager(num_blocks, block_size, max_slots)
+        # per layer [num_blocks, 2, kv_heads, block_size, head_dim]; pages resident once a block is used
+        self.kv = [torch.empty(num_blocks, 2, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+                   for _ in range(num_layers)]
+        for t in self.kv:
+            t[SCRATCH].zero_()
+
+    @staticmethod
+    def bytes_per_block(num_layers, kv_heads, head_dim, dtype, block_size: int = BLOCK_SIZE) -> int:
+        return num_layers * 2 * kv_heads * block_size * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
-    def scratch(self) -> int:
-        return self.capacity - 1
+    def block_bytes(self) -> int:
+        return self.bytes_per_block(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.block_size)
 
-    def ensure(self, needed: int, slots: int = 0) -> None:
-        """Make room for cache indices [0, needed) plus the scratch entry, in slots [0, slots) at least
-        (more slots: doubling, up to ``max_slots``)."""
-        if slots > self.max_slots:
-            raise ValueError(f"slot {slots - 1} is beyond the cache's {self.max_slots} slots")
-        if needed + 1 <= self.capacity and slots <= self.num_slots:
-            return
-        cap = self.capacity
-        if needed + 1 > cap:
-            cap = -(-max(needed + 1, 2 * cap, 64) // 64) * 64
-        n = self.num_slots if slots <= self.num_slots else min(self.max_slots, max(slots, 2 * self.num_slots))
-        old_n, old = self.num_slots, self.capacity - 1
-        for i in range(self.num_layers):
-            t = torch.zeros(n, 2, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
-            if i < len(self.kv):
-                t[:old_n, ..., :old, :] = self.kv[i][..., :old, :]
-                self.kv[i] = t
-            else:
-                self.kv.append(t)
-        self.k = [t[:, 0] for t in self.kv]
-        self.v = [t[:, 1] for t in self.kv]
-        self.capacity, self.num_slots = cap, n
+    def _zero_fresh(self) -> None:
+        fresh = self.blocks.take_fresh()
+        if fresh:  # never-written memory may hold anything (NaN): attention multiplies hidden keys by 0
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for t in self.kv:
+                t.index_fill_(0, idx, 0)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` entries of slot ``src`` into slot ``dst``."""
-        for t in self.kv:
-            t[dst, :, :, :length] = t[src, :, :, :length]
+    def prepare(self, slot_start: int, starts: list[int], lens: list[int]) -> None:
+        """Blocks for every row's positions [0, start + len), its own for [start, start + len) (copy
+        on write), blocks past them given back. Raises ``OutOfBlocks`` before changing anything when
+        too few are free."""
+        bm = self.blocks
+        need = sum(bm.needed(slot_start + b, s + n) for b, (s, n) in enumerate(zip(starts, lens)))
+        if need > bm.num_free():
+            raise OutOfBlocks(f"{need} blocks needed, {bm.num_free()} free")
+        copies = []
+        for b, (s, n) in enumerate(zip(starts, lens)):
+            bm.ensure(slot_start + b, s + n)
+            copies += bm.writable(slot_start + b, s, s + n)
+        self._zero_fresh()
+        for src, dst in copies:
+            for t in self.kv:
+                t[dst] = t[src]
+
+    def tables(self, slot_start: int, B: int, kv_len: int) -> torch.Tensor:
+        """The block tables of rows ``slot_start .. + B`` over positions [0, kv_len): long [B, blocks]."""
+        nb = max(1, -(-kv_len // self.block_size))
+        if B == 1 and len(self.blocks.tables[slot_start]) >= nb:  # decoding one sequence: no padding
+            return torch.tensor([self.blocks.tables[slot_start][:nb]], dtype=torch.long, device=self.device)
+        out = torch.full((B, nb), SCRATCH, dtype=torch.long)
+        for b in range(B):
+            t = self.blocks.tables[slot_start + b][:nb]
+            if t:
+                out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return out.to(self.device)
+
+    def locate(self, tables: torch.Tensor, widx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each cache position ``widx`` [B, Q] (-1: the scratch entry), flattened."""
+        bs = self.block_size
+        w = widx.clamp(min=0)
+        blk = torch.gather(tables, 1, (w // bs).clamp(max=tables.shape[1] - 1))
+        blk = torch.where(widx < 0, SCRATCH, blk)
+        off = torch.where(widx < 0, 0, w % bs)
+        return blk.reshape(-1), off.reshape(-1)
+
+    def gather(self, layer_cache: torch.Tensor, tables: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Keys and values of positions [0, kv_len) of each row, contiguous: [B, 2, kv_heads, kv_len, D]."""
+        B, nb = tables.shape
+        src = layer_cache[tables]  # [B, nb, 2, Hkv, bs, D]
+        src = src.permute(0, 2, 3, 1, 4, 5).reshape(B, 2, self.kv_heads, nb * self.block_size, self.head_dim)
+        return src[:, :, :, :kv_len]
+
+    def sequence(self, slot: int, layer: int, length: int) -> torch.Tensor:
+        """Keys and values of positions [0, length) of ``slot`` in ``layer``: [2, kv_heads, length, D]."""
+        return self.gather(self.kv[layer], self.tables(slot, 1, length), length)[0]
+
+    def move(self, src: int, dst: int, length: int = 0) -> None:
+        """The sequence in slot ``src`` now decodes in slot ``dst`` (a table move, no copy)."""
+        self.blocks.move(src, dst)
+
+    def release(self, slot: int) -> None:
+        self.blocks.release(slot)
 
     def gather_into(self, slot: int, src_idx: torch.Tensor, dst_start: int) -> None:
-        """Copy entries ``src_idx`` of ``slot`` to the contiguous range starting at ``dst_start``
-        (tree verification keeps the accepted path only)."""
+        """Copy positions ``src_idx`` of ``slot`` to the positions from ``dst_start`` on (tree
+        verification keeps the accepted path only; every position involved is the slot's own)."""
         n = src_idx.numel()
-        for t in self.kv:
-            t[slot, :, :, dst_start : dst_start + n] = t[slot, :, :, src_idx]
+        t = torch.tensor(self.blocks.tables[slot], dtype=torch.long, device=self.device).view(1, -1)
+        sb, so = self.locate(t, src_idx.view(1, -1).to(self.device))
+        db, do = self.locate(t, torch.arange(dst_start, dst_start + n, device=self.device).view(1, -1))
+        for c in self.kv:
+            c[db, :, :, do] = c[sb, :, :, so]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        """Bytes of the blocks in use (scratch included): what the cache holds for the requests in flight."""
+        return (self.blocks.num_used() + 1) * self.block_bytes
+
+    def resident_bytes(self) -> int:
+        """Bytes of the blocks ever used: the part of the reserved pool that is resident memory."""
+        return (self.blocks.used_ever + 1) * self.block_bytes

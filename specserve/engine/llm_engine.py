@@ -1,25 +1,27 @@
-"""The engine loop: admit requests, prefill them in chunks, then run one speculative step per call:
+"""The engine loop: admit requests (``Scheduler``: slots, KV blocks, prefix caching), prefill them in
+chunks, then run one speculative step per call:
 
-    proposer.propose -> runner.forward([last token + drafts] per sequence) -> rejection sampler
-    (chains) or tree verifier (trees) -> append the accepted + recovered/bonus tokens
+    blocks reserved (or speculation backs off, or the newest sequence is preempted) ->
+    proposer.propose -> runner.forward([last token + drafts] per sequence) -> rejection sampler or
+    coupled verification (chains) or tree verifier (trees) -> append the accepted + recovered/bonus tokens
 
-Plain decoding is the same loop with a proposer that proposes nothing. Running sequences occupy KV
-slots 0..B-1 (a finished one's slot is refilled by moving the last sequence into it), so a step
-attends to views of the cache, never copies. Rejected drafts cost nothing to drop: a sequence's cache
-length is just ``num_computed``."""
+Plain decoding is the same loop with a proposer that proposes nothing. Running sequences occupy batch
+rows (slots) 0..B-1, each with its block table in the paged KV cache (a finished one's slot is refilled
+by moving the last sequence's table into it). Rejected drafts cost nothing to drop: a sequence's cache
+length is just ``num_computed``, and blocks past it are given back at its next step."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
-from collections import deque
 
 import torch
 
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device, resolve_quantization
-from specserve.engine.sequence import Sequence, Status
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import Sequence
 from specserve.models.loader import gguf_source, read_config, resolve_model_dir
 from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
@@ -47,6 +49,7 @@ class LLMEngine:
         if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({model_config.max_position_embeddings})")
+        max_len = cfg.max_model_len or model_config.max_position_embeddings
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = device = resolve_device(device, cfg.tensor_parallel_size)
         # the speculative configuration is checked before any model or worker process loads
@@ -59,10 +62,11 @@ class LLMEngine:
             resolve_quantization(cfg.quantization, cfg.dtype, gguf_source(self.model_dir) is not None, device,
                                  cfg.tensor_parallel_size)
             self.runner = TPRunner(self.model_dir, cfg.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs,
-                                   cfg.num_threads, cfg.quantization)
+                                   cfg.num_threads, cfg.quantization, cfg.kv_cache_memory, max_len)
         else:
             self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs,
-                                      quantization=cfg.quantization)
+                                      quantization=cfg.quantization, kv_cache_memory=cfg.kv_cache_memory,
+                                      max_model_len=max_len)
         try:
             self._set_up(cfg)
         except BaseException:  # no worker process outlives a failed start
@@ -82,17 +86,20 @@ class LLMEngine:
         self.branch_acceptance = BranchAcceptance(self.ngram_branch) if self.ngram_branch else None
         self.ngram_pool = NgramPool() if self.ngram_branch and self.branch_opts.pool else None
         self.proposer.load_model(self.runner)
-        self.runner.reset_kv()  # the start-up measurements' cache (many slots) is not kept
+        self.runner.reset_kv()  # the blocks of the start-up measurements are given back
         self.metrics = SpecMetrics()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(cfg.max_num_seqs, self.runner.kv.blocks)
+        self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same objects
+        # prefix caching: not for drafters that keep the target's features of every position (the shared
+        # positions are not recomputed, so their features would be missing)
+        self.prefix_caching = cfg.enable_prefix_caching and not self.proposer.aux_layers
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         # decode_s: whole decoding steps (decode_steps of them), draft_s: the drafter's part of them,
         # verified_tokens: the tokens their target forwards ran (1 per sequence and step without drafts)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
                       "decode_steps": 0, "draft_s": 0.0, "verified_tokens": 0,
-                      "ngram_branch_tokens": 0, "ngram_branch_wins": 0}
+                      "ngram_branch_tokens": 0, "ngram_branch_wins": 0, "prefix_cached_tokens": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -107,6 +114,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        if len(prompt_ids) + 1 > self.scheduler.capacity:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.scheduler.capacity} "
+                             "positions (kv_cache_memory)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
@@ -114,7 +124,7 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(seed)
         seq = Sequence(next(self._ids), prompt, prompt_ids, params, gen, self.tokenizer, self.eos_ids, self.max_model_len)
         seq.seed = seed
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -126,24 +136,16 @@ class LLMEngine:
         if seq in self.running:
             seq._finish("abort")
             self._free_finished()
-        self._shrink_if_idle()
-
-    def _shrink_if_idle(self) -> None:
-        """No sequence left: the KV cache goes back to its small start (``ModelRunner.reset_kv``)."""
-        if not self.running and not self.waiting:
-            self.runner.reset_kv()
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Admit and prefill what fits, then decode the running batch once. Returns the sequences
         that changed in this step (new tokens or finished)."""
-        admitted = []
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting.popleft()
-            seq.slot = len(self.running)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
+        admitted = self.scheduler.admit()
+        if self.prefix_caching:
+            for seq in admitted:
+                seq.num_computed = self.runner.share_prefix(seq.slot, seq.all_ids)
+                self.stats["prefix_cached_tokens"] += seq.num_computed
         self._prefill(admitted)
         touched = list(admitted)
         self._free_finished()
@@ -151,28 +153,36 @@ class LLMEngine:
             touched.extend(s for s in self.running if s not in touched)
             self._decode()
         self._free_finished()
-        self._shrink_if_idle()
         self.stats["steps"] += 1
         return touched
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill newly admitted sequences (consecutive slots): short prompts together in one
-        forward (up to ``prefill_chunk`` tokens), long ones alone in chunks. Each gets its first token."""
+        """Prefill newly admitted sequences (consecutive slots): short prompts together in one forward
+        (up to ``prefill_chunk`` tokens), long ones and those with a cached prefix alone, in chunks. A
+        new sequence gets its first token; a preempted one (it has output already) gets its prompt and
+        output but the last token recomputed, and decodes on."""
         t0 = time.perf_counter()
         chunk = self.cfg.prefill_chunk
         groups, cur = [], []
         for s in seqs:
-            if cur and (sum(len(x.prompt_ids) for x in cur) + len(s.prompt_ids) > chunk or len(s.prompt_ids) > chunk):
+            n = len(self._prefill_ids(s))
+            alone = s.num_computed > 0 or n > chunk
+            if cur and (alone or sum(len(self._prefill_ids(x)) for x in cur) + n > chunk):
                 groups.append(cur)
                 cur = []
             cur.append(s)
+            if alone:
+                groups.append(cur)
+                cur = []
         if cur:
             groups.append(cur)
         for group in groups:
+            ids = [self._prefill_ids(s) for s in group]
+            begin = group[0].num_computed  # > 0 only for a sequence alone (a cached prefix)
+            longest = max(len(x) for x in ids)
             out = None
-            longest = max(len(s.prompt_ids) for s in group)
-            for start in range(0, longest, chunk):  # one pass for a group of short prompts
-                pieces = [s.prompt_ids[start : start + chunk] for s in group]
+            for start in range(begin, longest, chunk):  # one pass for a group of short prompts
+                pieces = [x[start : start + chunk] for x in ids]
                 last = start + chunk >= longest
                 out = self.runner.forward(group[0].slot, pieces, [start] * len(group), "last" if last else "none",
                                           aux_layers=self.proposer.aux_layers,
@@ -180,17 +190,25 @@ class LLMEngine:
                 if out.aux or out.hidden is not None:
                     for i, (s, piece) in enumerate(zip(group, pieces)):
                         self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
-                                              [a[i, : len(piece)] for a in out.aux], reset=start == 0)
+                                              [a[i, : len(piece)] for a in out.aux], reset=start == begin)
             sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
             tokens = sample(out.logits, sb).tolist()
             for i, s in enumerate(group):
                 if self._coupled(s):  # the first output token's position-keyed draw
                     tokens[i] = coupled_tokens(out.logits[i : i + 1], sb.subset([i]), s.seed, [len(s.prompt_ids)])[0]
-            for s, t in zip(group, tokens):
-                s.num_computed = len(s.prompt_ids)
-                s.append_tokens([t])
-                self.stats["prefill_tokens"] += len(s.prompt_ids)
+            for s, x, t in zip(group, ids, tokens):
+                s.num_computed = len(x)
+                self.stats["prefill_tokens"] += len(x) - begin
+                if self.prefix_caching:
+                    self.runner.register_prefix(s.slot, x, len(x))
+                if not s.output_ids:  # a new sequence (a recomputed one decodes on from its last token)
+                    s.append_tokens([t])
         self.stats["prefill_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _prefill_ids(s: Sequence) -> list[int]:
+        """What a prefill computes: the prompt, or for a preempted sequence all but its last token."""
+        return s.all_ids[:-1] if s.output_ids else s.prompt_ids
 
     def _coupled(self, s: Sequence) -> bool:
         """Whether ``s`` samples with position-keyed randomness (``sample.coupled``): a random request
@@ -205,10 +223,26 @@ class LLMEngine:
             k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
         return max(0, min(k, self.max_model_len - len(s) - 1))
 
+    def _reserve_blocks(self) -> list[int]:
+        """Draft budgets whose tokens the KV cache can hold this step: every sequence's full budget, or
+        none (speculation backs off), preempting the most recently admitted sequences while even their
+        last tokens do not fit."""
+        budgets = [self._draft_budget(s) for s in self.running]
+        if self.scheduler.reserve([s.num_computed + 1 + k for s, k in zip(self.running, budgets)]):
+            return budgets
+        while not self.scheduler.reserve([s.num_computed + 1 for s in self.running]):
+            s = self.scheduler.preempt_last()
+            self.runner.release_slot(len(self.running))
+            self.proposer.forget(s)
+            s.slot = -1
+        return [0] * len(self.running)
+
     def _decode(self) -> None:
         t0 = time.perf_counter()
+        budgets = self._reserve_blocks()
         seqs = self.running
-        budgets = [self._draft_budget(s) for s in seqs]
+        if not seqs:
+            return
         matches = self._ngram_matches(seqs) if self.ngram_branch else [[] for _ in seqs]
         planned = self.proposer.plans_branches and self.ngram_branch
         if any(budgets):
@@ -232,6 +266,11 @@ class LLMEngine:
             trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c, path_tree(len(c)))
                      for s, c, t in zip(seqs, chains, trees)]
             prop = Proposal(chains, prop.draft_probs, trees)
+        if prop.has_trees and not self.scheduler.reserve(
+                [s.num_computed + len(t.tokens) if t is not None else s.num_computed + 1 + len(c)
+                 for s, t, c in zip(seqs, trees, chains)]):  # trees larger than the blocks reserved: no drafts
+            chains, trees, own_nodes = [[] for _ in seqs], [None] * len(seqs), [None] * len(seqs)
+            prop = Proposal(chains)
         starts = [s.num_computed for s in seqs]
         tokens, masks, positions = [], [], []
         for s, c, t, st in zip(seqs, chains, trees, starts):
@@ -351,6 +390,9 @@ class LLMEngine:
             self.proposer.forget(s)
             if self.ngram_pool is not None:
                 self.ngram_pool.add(s.all_ids)
+            if self.prefix_caching:  # its committed blocks serve later requests with the same prefix
+                self.runner.register_prefix(s.slot, s.all_ids, s.num_computed)
+            self.runner.release_slot(s.slot)
             last = self.running.pop()
             if last is not s:
                 self.runner.move_slot(last.slot, s.slot, last.num_computed)

@@ -24,7 +24,7 @@ import torch
 
 from specserve.config import QUANTIZATIONS, ModelConfig
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
-from specserve.engine.kv_cache import KVCache
+from specserve.engine.kv_cache import BLOCK_SIZE, KVCache
 from specserve.layers import cpu_ops
 from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import VocabParallelEmbedding
@@ -155,7 +155,34 @@ def pack_linears(module: torch.nn.Module) -> None:
             m.pack()
 
 
-KV_START_CAPACITY = 256  # positions per slot of a fresh KV cache
+KV_MEMORY_SHARE = 0.25  # kv_cache_memory=None: at most this share of the machine's memory
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def kv_cache_blocks(kv_cache_memory: float | None, max_num_seqs: int, max_model_len: int, block_bytes: int) -> int:
+    """Blocks of the KV pool. ``kv_cache_memory`` (GiB): that budget; None: room for ``max_num_seqs``
+    sequences of ``max_model_len`` positions, at most ``KV_MEMORY_SHARE`` of the machine's memory (the
+    pool is reserved, not resident: pages are used as blocks are). The budget must hold one sequence of
+    ``max_model_len`` positions (a clear error says what to change)."""
+    per_seq = -(-max_model_len // BLOCK_SIZE)
+    if kv_cache_memory is None:
+        budget_blocks = int(KV_MEMORY_SHARE * _total_memory()) // block_bytes
+        return min(max_num_seqs * per_seq, max(budget_blocks, per_seq)) + 1  # + the scratch block
+    blocks = int(kv_cache_memory * (1 << 30)) // block_bytes  # the scratch block included
+    if blocks < per_seq + 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} GiB holds {max(0, blocks - 1) * BLOCK_SIZE} "
+                         f"positions, fewer than max_model_len ({max_model_len}) needs "
+                         f"({(per_seq + 1) * block_bytes / (1 << 30):.4f} GiB): give more memory or a "
+                         "smaller max_model_len")
+    return blocks
+
+
 ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count from 2 up to this
 
 
@@ -209,7 +236,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
-                 pack_weights: bool = True, quantization: str | None = "auto"):
+                 pack_weights: bool = True, quantization: str | None = "auto", kv_cache_memory: float | None = None,
+                 max_model_len: int | None = None):
         model_dir = Path(model_dir)
         self.model_dir = model_dir
         self.tp = tp or TPGroup()
@@ -241,19 +269,30 @@ class ModelRunner:
         if self.batch_invariant:
             make_batch_invariant(self.model)
         self.max_num_seqs = max_num_seqs
-        self.reset_kv()
+        cfg = self.config
+        hkv = self.model.model.layers[0].self_attn.hkv
+        num_blocks = kv_cache_blocks(kv_cache_memory, max_num_seqs, max_model_len or cfg.max_position_embeddings,
+                                     KVCache.bytes_per_block(cfg.num_hidden_layers, hkv, cfg.head_dim, self.dtype))
+        self.kv = KVCache(cfg.num_hidden_layers, max_num_seqs, hkv, cfg.head_dim, self.dtype, device, num_blocks)
         self.helpers: dict[str, object] = {}
 
+    # ---- KV blocks (the same calls on every rank: the same tables) --------------------------------
     def reset_kv(self) -> None:
-        """A fresh, small KV cache (one slot; ``KVCache`` grows it as sequences need): what the engine
-        does when no sequence is left, so that memory follows the requests in flight."""
-        kv = getattr(self, "kv", None)
-        if kv is not None and kv.num_slots == 1 and kv.capacity <= KV_START_CAPACITY:
-            return
-        self.kv = None  # the old one is freed before the new one is made
-        cfg = self.config
-        self.kv = KVCache(cfg.num_hidden_layers, self.max_num_seqs, self.model.model.layers[0].self_attn.hkv,
-                          cfg.head_dim, self.dtype, self.device, KV_START_CAPACITY)
+        """Give back every slot's blocks (the cache's prefix blocks stay cached)."""
+        self.kv.blocks.release_all()
+
+    def release_slot(self, slot: int) -> None:
+        """Give back the blocks of the sequence in ``slot`` (finished, aborted or preempted)."""
+        self.kv.release(slot)
+
+    def share_prefix(self, slot: int, tokens: list[int]) -> int:
+        """Cached blocks holding a prefix of ``tokens`` for the empty ``slot``: positions shared."""
+        return self.kv.blocks.share_prefix(slot, tokens)
+
+    def register_prefix(self, slot: int, tokens: list[int], length: int) -> None:
+        """Offer the full blocks of ``slot``'s first ``length`` positions (holding ``tokens``) to later
+        sequences (prefix caching)."""
+        self.kv.blocks.register(slot, tokens, length)
 
     # ---- rank-local helpers (drafters that run on every rank) ------------------------------------
     def attach(self, name: str, factory, *args, **kwargs) -> None:
@@ -284,7 +323,7 @@ class ModelRunner:
         lens = [len(t) for t in tokens]
         Q = max(lens)
         kv_len = max(s + n for s, n in zip(starts, lens))
-        self.kv.ensure(kv_len, slot_start + B)
+        self.kv.prepare(slot_start, starts, lens)
         if B == 1 and tree_mask is None:
             ids, pos, ctx = self._one_sequence(slot_start, tokens[0], starts[0], positions, kv_len)
         else:
@@ -317,9 +356,13 @@ class ModelRunner:
             key = torch.arange(kv_len, device=dev)
             mask = (key <= torch.arange(start, start + Q, device=dev).unsqueeze(-1)).view(1, 1, Q, kv_len)
         pos = None if positions is None else torch.tensor(positions, dtype=torch.long, device=dev)
-        ctx = ForwardContext(self.kv, slot, None, kv_len, mask, causal, write_range=(start, start + Q),
-                             positions_range=(start, start + Q) if positions is None else None)
+        widx = torch.arange(start, start + Q, device=dev).view(1, Q)
+        ctx = self._context(slot, 1, widx, kv_len, mask, causal, (start, start + Q) if positions is None else None)
         return ids, pos, ctx
+
+    def _context(self, slot_start, B, widx, kv_len, mask, causal, positions_range=None) -> ForwardContext:
+        return ForwardContext(self.kv, self.kv.tables(slot_start, B, kv_len), widx, kv_len, mask, causal,
+                              positions_range)
 
     def _batch(self, slot_start, tokens, starts, lens, Q, kv_len, tree_mask, positions):
         """``forward``'s inputs in general: sequences padded to Q new tokens (padding writes to the
@@ -328,13 +371,13 @@ class ModelRunner:
         B = len(tokens)
         ids = torch.zeros(B, Q, dtype=torch.long)
         pos = torch.zeros(B, Q, dtype=torch.long)
-        widx = torch.full((B, Q), self.kv.scratch, dtype=torch.long)
+        widx = torch.full((B, Q), -1, dtype=torch.long)  # padding: the scratch block
         for b, (t, s, n) in enumerate(zip(tokens, starts, lens)):
             ids[b, :n] = torch.tensor(t, dtype=torch.long)
             widx[b, :n] = torch.arange(s, s + n)
             pos[b, :n] = torch.tensor(positions[b], dtype=torch.long) if positions else widx[b, :n]
         key = torch.arange(kv_len)
-        mask = key.view(1, 1, kv_len) <= widx.clamp(max=kv_len - 1).unsqueeze(-1)  # [B, Q, L]
+        mask = key.view(1, 1, kv_len) <= widx.unsqueeze(-1)  # [B, Q, L]
         for b, n in enumerate(lens):
             mask[b, n:] = False
             mask[b, n:, 0] = True  # padding rows see one key (never NaN)
@@ -343,14 +386,12 @@ class ModelRunner:
                 tm = torch.as_tensor(tree_mask[b], dtype=torch.bool)
                 mask[b, :n, s : s + n] = tm
         mask = mask.unsqueeze(1).to(dev)
-        widx = widx.to(dev)
-        ctx = ForwardContext(self.kv, slot_start, widx, kv_len, mask, False,
-                             torch.arange(B).repeat_interleave(Q).to(dev), widx.reshape(-1),
-                             (starts[0], starts[0] + Q) if B == 1 else None)
+        ctx = self._context(slot_start, B, widx.to(dev), kv_len, mask, False)
         return ids.to(dev), pos.to(dev), ctx
 
     @torch.inference_mode()
-    def move_slot(self, src: int, dst: int, length: int) -> None:
+    def move_slot(self, src: int, dst: int, length: int = 0) -> None:
+        """The sequence in slot ``src`` decodes in slot ``dst`` from now on (its blocks move)."""
         self.kv.move(src, dst, length)
 
     @torch.inference_mode()
@@ -373,13 +414,14 @@ MAIN_GUARD_HINT = ("tensor-parallel workers are spawned processes that import yo
                    "`if __name__ == \"__main__\":`")
 
 
-def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn, quantization="auto"):
+def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, threads, conn, quantization="auto",
+                 kv_opts=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it finishes the step, then stops us
     conn.send(("started", os.getpid()))
     torch.set_num_threads(threads)
     try:
         tp = init_tp_group(rank, size, init_method)
-        runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs, quantization=quantization)
+        runner = ModelRunner(model_dir, tp, dtype, "cpu", max_num_seqs, quantization=quantization, **(kv_opts or {}))
         conn.send(("ready", None))
     except BaseException as e:  # report, do not hang the driver
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -435,9 +477,11 @@ class TPRunner:
     reported with its exit code and last error, and the runner refuses further calls."""
 
     def __init__(self, model_dir, size: int, dtype="auto", max_num_seqs=16, num_threads=None,
-                 quantization: str | None = "auto"):
+                 quantization: str | None = "auto", kv_cache_memory: float | None = None,
+                 max_model_len: int | None = None):
         import torch.multiprocessing as mp
 
+        kv_opts = {"kv_cache_memory": kv_cache_memory, "max_model_len": max_model_len}
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker importing the main script
             raise RuntimeError(MAIN_GUARD_HINT)
         ctx = mp.get_context("spawn")
@@ -450,14 +494,14 @@ class TPRunner:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker_main, daemon=True,
                                 args=(rank, size, init_method, str(model_dir), dtype, max_num_seqs, threads, child,
-                                      quantization))
+                                      quantization, kv_opts))
                 p.start()
                 self.conns.append(parent)
                 self.procs.append(p)
             self._await("started")
             torch.set_num_threads(threads)
             self.local = ModelRunner(model_dir, init_tp_group(0, size, init_method), dtype, "cpu", max_num_seqs,
-                                     quantization=quantization)
+                                     quantization=quantization, **kv_opts)
             self._await("ready")
         except BaseException:
             self.shutdown()
@@ -535,6 +579,19 @@ class TPRunner:
 
     def reset_kv(self):
         return self._call("reset_kv")
+
+    def release_slot(self, slot: int):
+        return self._call("release_slot", slot)
+
+    def share_prefix(self, slot: int, tokens: list[int]) -> int:
+        return self._call("share_prefix", slot, tokens)
+
+    def register_prefix(self, slot: int, tokens: list[int], length: int):
+        return self._call("register_prefix", slot, tokens, length)
+
+    @property
+    def kv(self):
+        return self.local.kv
 
     def attach(self, name, factory, *args, **kwargs) -> None:
         """Build the helper on every rank (``factory`` must be importable by name: it is pickled). The

@@ -1,10 +1,11 @@
-"""Attention over the batched, slot-based KV cache.
+"""Attention over the paged KV cache.
 
-All attention metadata of one forward travels in a ``ForwardContext``: which cache slots the batch
-uses, where each new token's K/V is written (``write_idx``, may differ from its RoPE position: tree
-nodes of equal depth share a position but not a cache entry), how many cache entries the queries may
-see (``kv_len``) and the visibility mask. Truncating a sequence is O(1): entries past its length are
-simply never visible, and are overwritten before any query can see them.
+All attention metadata of one forward travels in a ``ForwardContext``: each row's block table, where
+each new token's K/V is written (``write_idx``, a cache position, may differ from its RoPE position:
+tree nodes of equal depth share a position but not a cache entry; -1 for padding: the scratch block),
+how many cache positions the queries may see (``kv_len``) and the visibility mask. Truncating a
+sequence is O(1): positions past its length are simply never visible, and are overwritten before any
+query can see them.
 """
 
 from __future__ import annotations
@@ -21,23 +22,20 @@ from specserve.layers import cpu_ops
 @dataclass
 class ForwardContext:
     kv: object | None  # engine.kv_cache.KVCache, or None for a cache-free full-sequence forward
-    slot_start: int = 0
-    write_idx: torch.Tensor | None = None  # [B, Q] cache index of each new token
-    kv_len: int = 0  # keys [0, kv_len) are attended (masked by ``mask``)
+    tables: torch.Tensor | None = None  # long [B, blocks]: each row's block table (``KVCache.tables``)
+    write_idx: torch.Tensor | None = None  # long [B, Q]: the cache position of each new token (-1: scratch)
+    kv_len: int = 0  # positions [0, kv_len) are attended (masked by ``mask``)
     mask: torch.Tensor | None = None  # bool [B, 1, Q, kv_len], True = visible; None = all visible
     is_causal: bool = False  # with mask None: plain causal mask (prefill from position 0)
-    flat_b: torch.Tensor | None = None  # [B*Q] batch index of each new token
-    flat_w: torch.Tensor | None = None  # [B*Q] write_idx flattened
-    write_range: tuple[int, int] | None = None  # B == 1 and the new tokens go to [a, b): slice writes
     positions_range: tuple[int, int] | None = None  # B == 1 and the RoPE positions are [a, b): no gather
     _masks: dict = field(default_factory=dict, repr=False)
+    _targets: tuple | None = field(default=None, repr=False)
 
-    def write_index(self) -> torch.Tensor:
-        """``write_idx``, or [1, Q] from ``write_range``: made once per forward."""
-        if self.write_idx is None:
-            a, b = self.write_range
-            self.write_idx = torch.arange(a, b).view(1, b - a)
-        return self.write_idx
+    def write_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) [B*Q] each new token is written to (``KVCache.locate``), made once per forward."""
+        if self._targets is None:
+            self._targets = self.kv.locate(self.tables, self.write_idx)
+        return self._targets
 
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` as SDPA's additive mask in ``dtype`` (0 visible, -inf hidden), made once per forward
@@ -78,20 +76,16 @@ class Attention(nn.Module):
             src = kv.permute(0, 2, 3, 1, 4)  # [B, 2, Hkv, Q, D]
             causal = ctx.mask is None
         else:
-            # one copy writes keys and values (cache layout [slot, 2, Hkv, position, D])
-            if ctx.write_range is not None:  # one sequence writing a contiguous range: a slice copy
-                a, b = ctx.write_range
-                cache[ctx.slot_start, :, :, a:b] = kv[0].permute(1, 2, 0, 3)
-            else:
-                rows = cache[ctx.slot_start : ctx.slot_start + B]
-                rows[ctx.flat_b, :, :, ctx.flat_w] = kv.reshape(B * Q, 2, self.num_kv_heads, self.head_dim)
+            # one copy writes keys and values (pool layout [block, 2, Hkv, offset, D])
+            blk, off = ctx.write_targets()
+            cache[blk, :, :, off] = kv.reshape(B * Q, 2, self.num_kv_heads, self.head_dim)
             causal = ctx.is_causal
             if self.float64 and (ops := self._ops(q, ctx.mask)) is not None:
                 # the C++ op: each row's float64 sums in one fixed order whatever shares the call, no cast
                 # of the cache (``specserve/csrc/cpu_ops.cpp``); the same semantics as the branch below
-                return ops.attention(q, cache, ctx.slot_start, ctx.kv_len, ctx.mask, causal, self.scale,
+                return ops.attention(q, cache, ctx.tables, ctx.kv_len, ctx.mask, causal, self.scale,
                                      cpu_ops.PARALLEL_WORK)
-            src = cache[ctx.slot_start : ctx.slot_start + B, :, :, : ctx.kv_len]
+            src = ctx.kv.gather(cache, ctx.tables, ctx.kv_len)
         dtype = q.dtype
         q = q.transpose(1, 2)
         if self.float64:

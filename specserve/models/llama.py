@@ -107,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         if (one := self.one_call(ops, ctx, cache)) is not None:
             norms, weights, bits, n, heads = one
             return ops.decoder_layer(h, x, norms, ln.eps, vec, weights, bits, n, heads, cos, sin, cache,
-                                     ctx.slot_start, ctx.write_index(), ctx.kv_len, ctx.mask, ctx.is_causal,
+                                     ctx.tables, ctx.write_idx, ctx.kv_len, ctx.mask, ctx.is_causal,
                                      self.self_attn.attn.scale, cpu_ops.PARALLEL_WORK, GROUP_GRAIN, GROUP_TILE)
         if x is None:
             normed = ops.rms_norm(h, ln.weight, ln.eps, vec)

@@ -106,16 +106,18 @@ def test_rejection_mode_is_the_stream_sampler(small_vocab_model):
         LLM(model=str(small_vocab_model), sampling_mode="exact")
 
 
-def test_seeded_tokens_are_the_same_under_tensor_parallelism(tiny_llama):
-    """Tensor parallelism (2 processes) with a drafter gives the same seeded tokens as one process
-    without one."""
+@pytest.mark.multiproc
+@pytest.mark.parametrize("method", ["ngram", "medusa-tree-auto", "dspark-tree-auto-pool"])
+def test_seeded_tokens_are_the_same_under_tensor_parallelism(tiny_llama, tmp_path, method):
+    """Tensor parallelism (2 processes) with a drafter, auto modes included, gives the same seeded
+    tokens as one process without one."""
     prompts = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     params = [SamplingParams(temperature=t, seed=s, max_tokens=20, ignore_eos=True)
               for t, s in ((0.8, 1), (1.0, 2), (0.6, 3))]
     want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
         prompts, params, use_tqdm=False)]
     llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config=_specs(tiny_llama, tmp_path)[method])
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:

@@ -57,7 +57,7 @@ def test_llm_reports_its_device(tiny_llama):
 
     llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32")
     assert llm.engine.device == "cpu" and llm.engine.runner.device == "cpu"
-    assert llm.engine.runner.kv.k[0].device.type == "cpu"
+    assert llm.engine.runner.kv.kv[0].device.type == "cpu"
 
 
 def test_auto_dtype_is_float32_on_cpu_bfloat16_on_gpu():

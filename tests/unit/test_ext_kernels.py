@@ -29,8 +29,21 @@ def _reference(q, cache, slot, L, mask, causal):
     return out.transpose(1, 2).to(q.dtype).reshape(B, Q, -1)
 
 
+def _paged(cache, slot, B, bs=16):
+    """Rows ``slot .. slot + B`` of a contiguous cache [rows, 2, Hkv, cap, D] as the KV pool the op reads
+    (blocks of ``bs`` positions in a shuffled order, block 0 the scratch block) and their block tables."""
+    _, _, hkv, cap, d = cache.shape
+    nb = cap // bs
+    blocks = cache[slot : slot + B].reshape(B, 2, hkv, nb, bs, d).permute(0, 3, 1, 2, 4, 5).reshape(B * nb, 2, hkv, bs, d)
+    ids = torch.randperm(B * nb, generator=torch.Generator().manual_seed(slot)) + 1
+    pool = torch.zeros(B * nb + 1, 2, hkv, bs, d, dtype=cache.dtype)
+    pool[ids] = blocks
+    return pool, ids.view(B, nb)
+
+
 def _attn(q, cache, slot, L, mask=None, causal=False, parallel_work=cpu_ops.PARALLEL_WORK):
-    return ops.attention(q, cache, slot, L, mask, causal, SCALE, parallel_work)
+    pool, tables = _paged(cache, slot, q.shape[0])
+    return ops.attention(q, pool, tables, L, mask, causal, SCALE, parallel_work)
 
 
 @needs_ext

@@ -35,12 +35,15 @@ def test_mixed_step_sizes_in_one_batch(tiny_llama):
 
 
 def test_cache_grows_and_slot_moves(tiny_llama):
+    """A sequence takes blocks as it grows (16 positions each) and keeps them when it moves to another
+    slot (a table move: no copy); its continuation there equals one forward of the whole text."""
     r = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=2)
-    cap0 = r.kv.capacity
     long = list(range(1, 257)) + list(range(1, 200))
     r.forward(1, [long], [0], "none")
-    assert r.kv.capacity > len(long) and r.kv.capacity > cap0
+    bm = r.kv.blocks
+    assert len(bm.tables[1]) == -(-len(long) // 16) == bm.num_used() and not bm.tables[0]
     r.move_slot(1, 0, len(long))
+    assert len(bm.tables[0]) == 29 and not bm.tables[1]
     got = r.forward(0, [[3]], [len(long)], "last").logits
     ref = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
     want = ref.forward(0, [long + [3]], [0], "last").logits
@@ -64,20 +67,19 @@ def test_tree_mask_matches_separate_chains(tiny_llama):
 
 
 def test_kv_memory_follows_the_requests_in_flight(tiny_llama, monkeypatch):
-    """One long request costs one slot's cache whatever ``max_num_seqs`` allows; slots come as the
-    running batch reaches them; an idle engine's cache goes back to its small start."""
+    """One long request uses the same blocks whatever ``max_num_seqs`` allows; five short ones at once
+    one block each; when they finish every block is given back."""
     from specserve import LLM, SamplingParams
     from specserve.engine.kv_cache import KVCache
 
-    peaks, slots_seen = [], []
-    ensure = KVCache.ensure
+    peaks = []
+    prepare = KVCache.prepare
 
-    def tracked(self, needed, slots=0):
-        ensure(self, needed, slots)
-        peaks.append(self.nbytes())
-        slots_seen.append(self.num_slots)
+    def tracked(self, *args):
+        prepare(self, *args)
+        peaks.append(self.blocks.num_used())
 
-    monkeypatch.setattr(KVCache, "ensure", tracked)
+    monkeypatch.setattr(KVCache, "prepare", tracked)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     long = [5 + i % 200 for i in range(480)]
     used = {}
@@ -86,9 +88,9 @@ def test_kv_memory_follows_the_requests_in_flight(tiny_llama, monkeypatch):
         peaks.clear()
         out = llm.generate([long], params, use_tqdm=False)
         used[seqs] = max(peaks)
-        assert llm.engine.runner.kv.num_slots == 1 and llm.engine.runner.kv.capacity == 256  # idle: reset
-    assert used[1] == used[16] and out[0].outputs[0].token_ids
+        assert llm.engine.runner.kv.blocks.num_used() == 0 and out[0].outputs[0].token_ids
+    assert used[1] == used[16] == -(-(480 + 8) // 16)
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=16)
-    slots_seen.clear()
-    llm.generate([[1, 2, 3]] * 5, params, use_tqdm=False)
-    assert max(slots_seen) == 5  # five requests at once: five slots, not sixteen
+    peaks.clear()
+    llm.generate([[1, 2, i] for i in range(5)], params, use_tqdm=False)
+    assert max(peaks) == 5 and llm.engine.runner.kv.blocks.num_used() == 0
