@@ -271,7 +271,8 @@ QUANTIZATIONS = (None, *QUANTIZATION_NAMES)  # as LLM takes them
 class EngineConfig:
     """Engine knobs. max_num_seqs: sequences decoded together (>= 1). max_model_len: prompt +
     output tokens per sequence (None: the model's max_position_embeddings). prefill_chunk: prompt
-    tokens per prefill forward (>= 16). sampling_mode: how random requests draw their tokens,
+    tokens computed per engine step, all prefilling requests together (>= 16; a longer prompt takes
+    several steps, with the running batch decoding in each). sampling_mode: how random requests draw their tokens,
     "coupled" (each position's randomness from the request's seed and the position alone: a seeded
     request's text is plain decoding's with that seed, whatever the drafter, batch or tensor-parallel
     size; ``sample.coupled``) or "rejection" (vLLM's rejection sampler: exact in distribution, one

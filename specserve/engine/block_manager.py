@@ -133,6 +133,10 @@ class BlockManager:
         self.release(dst)
         self.tables[dst], self.tables[src] = self.tables[src], []
 
+    def swap(self, a: int, b: int) -> None:
+        """The sequences in slots ``a`` and ``b`` trade places (either may be empty)."""
+        self.tables[a], self.tables[b] = self.tables[b], self.tables[a]
+
     # ---- prefix caching -----------------------------------------------------------------------------
     @staticmethod
     def chain_hashes(tokens: list[int], block_size: int, full_blocks: int) -> list[int]:

@@ -128,26 +128,31 @@ class LLMEngine:
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.scheduler.prefilling:
+            self.scheduler.prefilling.remove(seq)
+            self.runner.release_slot(seq.slot)
+            self.proposer.forget(seq)
+            seq.slot = -1
+            seq._finish("abort")
         if seq in self.running:
             seq._finish("abort")
             self._free_finished()
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Admit and prefill what fits, then decode the running batch once. Returns the sequences
-        that changed in this step (new tokens or finished)."""
+        """Admit what fits, compute one budget of prompt tokens (``_prefill_step``), then decode the
+        running batch once. Returns the sequences that changed in this step (new tokens or finished)."""
         admitted = self.scheduler.admit()
         if self.prefix_caching:
             for seq in admitted:
                 seq.num_computed = self.runner.share_prefix(seq.slot, seq.all_ids)
                 self.stats["prefix_cached_tokens"] += seq.num_computed
-        self._prefill(admitted)
-        touched = list(admitted)
+        touched = self._prefill_step()
         self._free_finished()
         if self.running:
             touched.extend(s for s in self.running if s not in touched)
@@ -156,59 +161,72 @@ class LLMEngine:
         self.stats["steps"] += 1
         return touched
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill newly admitted sequences (consecutive slots): short prompts together in one forward
-        (up to ``prefill_chunk`` tokens), long ones and those with a cached prefix alone, in chunks. A
-        new sequence gets its first token; a preempted one (it has output already) gets its prompt and
-        output but the last token recomputed, and decodes on."""
+    def _prefill_step(self) -> list[Sequence]:
+        """Compute at most ``prefill_chunk`` prompt tokens of the prefilling sequences, in admission
+        order: short prompts that start from scratch on consecutive slots together in one forward, a
+        long one (or one with a cached prefix) a chunk at a time. A sequence whose prompt is complete
+        gets its first token (a recomputed one, with output already, decodes on from its last token)
+        and joins the running batch. Returns the sequences that joined."""
         t0 = time.perf_counter()
-        chunk = self.cfg.prefill_chunk
-        groups, cur = [], []
-        for s in seqs:
-            n = len(self._prefill_ids(s))
-            alone = s.num_computed > 0 or n > chunk
-            if cur and (alone or sum(len(self._prefill_ids(x)) for x in cur) + n > chunk):
-                groups.append(cur)
-                cur = []
-            cur.append(s)
-            if alone:
-                groups.append(cur)
-                cur = []
-        if cur:
-            groups.append(cur)
-        for group in groups:
-            ids = [self._prefill_ids(s) for s in group]
-            begin = group[0].num_computed  # > 0 only for a sequence alone (a cached prefix)
-            longest = max(len(x) for x in ids)
-            out = None
-            for start in range(begin, longest, chunk):  # one pass for a group of short prompts
-                pieces = [x[start : start + chunk] for x in ids]
-                last = start + chunk >= longest
-                out = self.runner.forward(group[0].slot, pieces, [start] * len(group), "last" if last else "none",
-                                          aux_layers=self.proposer.aux_layers,
-                                          return_hidden=self.proposer.needs_hidden and last)
-                if out.aux or out.hidden is not None:
-                    for i, (s, piece) in enumerate(zip(group, pieces)):
-                        self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
-                                              [a[i, : len(piece)] for a in out.aux], reset=start == begin)
+        sched, budget, joined = self.scheduler, self.cfg.prefill_chunk, []
+        while budget > 0 and sched.prefilling:
+            head = sched.prefilling[0]
+            ids = sched.prefill_ids(head)
+            begin = head.num_computed
+            group = [head]
+            if begin == 0 and len(ids) <= budget:  # whole short prompts on consecutive slots: one forward
+                total = len(ids)
+                for s in sched.prefilling[1:]:
+                    n = len(sched.prefill_ids(s))
+                    if s.num_computed or s.slot != group[-1].slot + 1 or total + n > budget:
+                        break
+                    group.append(s)
+                    total += n
+            pieces = [sched.prefill_ids(s)[begin : begin + budget] for s in group]
+            if not sched.fits([(s.slot, begin + len(p)) for s, p in zip(group, pieces)]):
+                break  # blocks are short: the decoding step preempts or frees some
+            last = begin + len(pieces[0]) >= len(ids)
+            out = self.runner.forward(head.slot, pieces, [begin] * len(group), "last" if last else "none",
+                                      aux_layers=self.proposer.aux_layers,
+                                      return_hidden=self.proposer.needs_hidden and last)
+            if out.aux or out.hidden is not None:
+                for i, (s, piece) in enumerate(zip(group, pieces)):
+                    self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
+                                          [a[i, : len(piece)] for a in out.aux], reset=begin == 0)
+            for s, piece in zip(group, pieces):
+                s.num_computed = begin + len(piece)
+                budget -= len(piece)
+                self.stats["prefill_tokens"] += len(piece)
+            if not last:
+                break  # a chunk of a long prompt took the budget
             sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
             tokens = sample(out.logits, sb).tolist()
             for i, s in enumerate(group):
                 if self._coupled(s):  # the first output token's position-keyed draw
                     tokens[i] = coupled_tokens(out.logits[i : i + 1], sb.subset([i]), s.seed, [len(s.prompt_ids)])[0]
-            for s, x, t in zip(group, ids, tokens):
-                s.num_computed = len(x)
-                self.stats["prefill_tokens"] += len(x) - begin
+            for s, t in zip(group, tokens):
                 if self.prefix_caching:
-                    self.runner.register_prefix(s.slot, x, len(x))
+                    self.runner.register_prefix(s.slot, sched.prefill_ids(s), s.num_computed)
                 if not s.output_ids:  # a new sequence (a recomputed one decodes on from its last token)
                     s.append_tokens([t])
+                self._join(s)
+                joined.append(s)
         self.stats["prefill_s"] += time.perf_counter() - t0
+        return joined
 
-    @staticmethod
-    def _prefill_ids(s: Sequence) -> list[int]:
-        """What a prefill computes: the prompt, or for a preempted sequence all but its last token."""
-        return s.all_ids[:-1] if s.output_ids else s.prompt_ids
+    def _join(self, s: Sequence) -> None:
+        """``s`` (prefilled) joins the running batch in the next slot: its block table moves there (a
+        prefilling sequence that sat in that slot takes ``s``'s)."""
+        sched = self.scheduler
+        sched.prefilling.remove(s)
+        slot = len(self.running)
+        if s.slot != slot:
+            other = next((p for p in sched.prefilling if p.slot == slot), None)
+            self.runner.swap_slots(s.slot, slot)
+            if other is not None:
+                other.slot = s.slot
+            s.slot = slot
+        self.running.append(s)
 
     def _coupled(self, s: Sequence) -> bool:
         """Whether ``s`` samples with position-keyed randomness (``sample.coupled``): a random request
@@ -231,8 +249,8 @@ class LLMEngine:
         if self.scheduler.reserve([s.num_computed + 1 + k for s, k in zip(self.running, budgets)]):
             return budgets
         while not self.scheduler.reserve([s.num_computed + 1 for s in self.running]):
-            s = self.scheduler.preempt_last()
-            self.runner.release_slot(len(self.running))
+            s = self.scheduler.preempt()
+            self.runner.release_slot(s.slot)
             self.proposer.forget(s)
             s.slot = -1
         return [0] * len(self.running)

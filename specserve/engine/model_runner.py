@@ -285,6 +285,10 @@ class ModelRunner:
         """Give back the blocks of the sequence in ``slot`` (finished, aborted or preempted)."""
         self.kv.release(slot)
 
+    def swap_slots(self, a: int, b: int) -> None:
+        """The sequences in slots ``a`` and ``b`` trade places (their block tables; no copy)."""
+        self.kv.blocks.swap(a, b)
+
     def share_prefix(self, slot: int, tokens: list[int]) -> int:
         """Cached blocks holding a prefix of ``tokens`` for the empty ``slot``: positions shared."""
         return self.kv.blocks.share_prefix(slot, tokens)
@@ -582,6 +586,9 @@ class TPRunner:
 
     def release_slot(self, slot: int):
         return self._call("release_slot", slot)
+
+    def swap_slots(self, a: int, b: int):
+        return self._call("swap_slots", a, b)
 
     def share_prefix(self, slot: int, tokens: list[int]) -> int:
         return self._call("share_prefix", slot, tokens)

@@ -149,3 +149,29 @@ def test_kv_cache_memory_too_small_for_one_sequence_is_refused(tiny_llama):
     with pytest.raises(ValueError, match=r"kv_cache_memory=1e-05 GiB holds \d+ positions, fewer than max_model_len "
                                          r"\(512\) needs"):
         LLM(model=str(tiny_llama), kv_cache_memory=1e-5)
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_others_decode(tiny_llama):
+    """A 400-token prompt arriving while a request decodes is computed 64 tokens a step (the budget,
+    ``prefill_chunk``), and the decoding request gains a token in every one of those steps; both
+    outputs are those of each request alone."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    short, long = [5, 6, 7], [(11 * i) % 250 + 1 for i in range(400)]
+    alone = [LLM(model=str(tiny_llama), dtype="float32").generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in (short, long)]
+    llm = LLM(model=str(tiny_llama), dtype="float32", prefill_chunk=64)
+    eng = llm.engine
+    a = eng.add_request(short, params)
+    eng.step()
+    assert len(a.output_ids) == 2  # prefilled (first token) and decoded once
+    b = eng.add_request(long, params)
+    computed = []
+    while not b.output_ids:
+        before = len(a.output_ids)
+        eng.step()
+        assert len(a.output_ids) == before + 1  # never stalled by the long prefill
+        computed.append(b.num_computed)
+    assert computed == [64, 128, 192, 256, 320, 384, 401]  # the last chunk, then its first decoding step
+    while eng.has_unfinished():
+        eng.step()
+    assert [a.output_ids, b.output_ids] == alone
