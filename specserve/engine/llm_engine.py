@@ -150,7 +150,7 @@ class LLMEngine:
         admitted = self.scheduler.admit()
         if self.prefix_caching:
             for seq in admitted:
-                seq.num_computed = self.runner.share_prefix(seq.slot, seq.all_ids)
+                seq.num_computed = self.runner.share_prefix(seq.slot, self.scheduler.prefill_ids(seq))
                 self.stats["prefix_cached_tokens"] += seq.num_computed
         touched = self._prefill_step()
         self._free_finished()

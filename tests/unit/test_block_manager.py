@@ -175,3 +175,20 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_others_decode(tiny_llam
     while eng.has_unfinished():
         eng.step()
     assert [a.output_ids, b.output_ids] == alone
+
+
+def test_a_recomputed_sequence_takes_cached_blocks_and_goes_on_the_same(tiny_llama):
+    """A preempted sequence (prompt + output so far) whose every full block is cached by an earlier
+    request still computes its last prompt position and continues with the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = [(5 * i) % 250 + 1 for i in range(20)]
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    eng = llm.engine
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    k = 13  # prompt + 13 outputs = 33 positions: the recompute prefills 32, two full cached blocks
+    seq = eng.add_request(prompt, params)
+    seq.append_tokens(first[:k])  # as a preempted sequence comes back
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["prefix_cached_tokens"] == 16  # the block of its last prefill position is computed
+    assert seq.output_ids == first
