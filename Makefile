@@ -24,6 +24,7 @@ demo: setup
 	$(PY) -m specserve demo
 
 test: setup
+	$(PY) -m ruff check specserve tests scripts
 	$(PY) -m pytest -q -ra tests
 
 bench: setup

@@ -83,7 +83,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
                 qk_norm=family == "qwen3",
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None,
+                sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral")
+                                else None),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -60,7 +60,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [self.bos_token_id] + ids
         return ids
 

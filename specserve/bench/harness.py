@@ -201,7 +201,7 @@ class SpecserveSession(Session):
                                  f"the engine loaded {ran[0]} with {ran[1]}")
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
             self.llm.reset_metrics()
-            self.stats_before = dict(self.llm.engine.stats)
+            self.stats_before = self.llm.engine.stats.as_dict()
             self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
         except BaseException:  # no session to close yet: stop the engine (and its TP workers) here
             self.llm.shutdown()
@@ -228,7 +228,7 @@ class SpecserveSession(Session):
                 per_rank = runner.helper_report(name, "draft_step_collectives", 1)
                 extra["collectives_per_draft_step"] = per_rank[0]
         extra.update({k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
-        extra.update(step_breakdown(llm.engine.stats, self.stats_before))
+        extra.update(step_breakdown(llm.engine.stats.as_dict(), self.stats_before))
         return MethodResult(outputs, self.wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
                             extra=extra)
 
@@ -692,7 +692,8 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     from specserve.models.loader import read_config
 
     cfg_eos = read_config(model_dir).eos_token_id
-    eos_ids = list(dict.fromkeys((tok.eos_token_ids or []) + ([cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or []))))
+    cfg_eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+    eos_ids = list(dict.fromkeys((tok.eos_token_ids or []) + cfg_eos))
     interleaved = interleave and tensor_parallel_size == 1  # TP: one set of worker processes at a time
     gguf_type = gguf_file_type(model_gguf_path(model))
 
@@ -835,7 +836,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['tokens_per_s']:.1f}", _ratio(r["speedup_vs_none"])]
                     + ([_ratio(r.get("speedup_vs_llamacpp"))] if ref else [])
                     + [ours_hf, ident, f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])]
-                    + ([f"{r['ms_per_step']:.1f}", f"{r['draft_ms_per_step']:.1f}", f"{r['verified_tokens_per_step']:.1f}"]
+                    + ([f"{r['ms_per_step']:.1f}", f"{r['draft_ms_per_step']:.1f}",
+                        f"{r['verified_tokens_per_step']:.1f}"]
                        if "ms_per_step" in r else ["-"] * 3))
         if tp:
             step = r.get("collectives_per_draft_step")

@@ -23,15 +23,37 @@ from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device,
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import gguf_source, read_config, resolve_model_dir
-from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
-from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
+from specserve.engine.verify import Drafts, Verifier, forward_inputs
+from specserve.sample.coupled import coupled_tokens
 from specserve.sample.sampler import SamplingBatch, sample
-from specserve.sample.tree import TreeBuffers, TreeCache, verify_tree_greedy, verify_tree_sample
-from specserve.spec_decode import Proposal, ProposeInputs, TreeDraft, build_proposer
+from specserve.sample.tree import TreeBuffers, TreeCache
+from specserve.spec_decode import ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.spec_decode.cost_model import sampling_key
 from specserve.spec_decode.ngram import BranchAcceptance, NgramPool, graft, ngram_candidates
 from specserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start-up. decode_s: whole decoding steps (decode_steps of them); draft_s: the
+    drafter's part of them; verified_tokens: the tokens their target forwards ran (1 per sequence and
+    step without drafts); prefix_cached_tokens: prompt positions taken from the prefix cache."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    draft_s: float = 0.0
+    verified_tokens: int = 0
+    ngram_branch_tokens: int = 0
+    ngram_branch_wins: int = 0
+    prefix_cached_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def path_tree(k: int) -> TreeBuffers:
@@ -95,11 +117,8 @@ class LLMEngine:
         self.prefix_caching = cfg.enable_prefix_caching and not self.proposer.aux_layers
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
-        # decode_s: whole decoding steps (decode_steps of them), draft_s: the drafter's part of them,
-        # verified_tokens: the tokens their target forwards ran (1 per sequence and step without drafts)
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "decode_steps": 0, "draft_s": 0.0, "verified_tokens": 0,
-                      "ngram_branch_tokens": 0, "ngram_branch_wins": 0, "prefix_cached_tokens": 0}
+        self.verifier = Verifier(cfg.sampling_mode, self.proposer.lossy_verify, self.runner.compact)
+        self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -122,7 +141,8 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         gen = torch.Generator().manual_seed(seed)
-        seq = Sequence(next(self._ids), prompt, prompt_ids, params, gen, self.tokenizer, self.eos_ids, self.max_model_len)
+        seq = Sequence(next(self._ids), prompt, prompt_ids, params, gen, self.tokenizer, self.eos_ids,
+                       self.max_model_len)
         seq.seed = seed
         self.scheduler.add(seq)
         return seq
@@ -151,14 +171,14 @@ class LLMEngine:
         if self.prefix_caching:
             for seq in admitted:
                 seq.num_computed = self.runner.share_prefix(seq.slot, self.scheduler.prefill_ids(seq))
-                self.stats["prefix_cached_tokens"] += seq.num_computed
+                self.stats.prefix_cached_tokens += seq.num_computed
         touched = self._prefill_step()
         self._free_finished()
         if self.running:
             touched.extend(s for s in self.running if s not in touched)
             self._decode()
         self._free_finished()
-        self.stats["steps"] += 1
+        self.stats.steps += 1
         return touched
 
     def _prefill_step(self) -> list[Sequence]:
@@ -196,13 +216,13 @@ class LLMEngine:
             for s, piece in zip(group, pieces):
                 s.num_computed = begin + len(piece)
                 budget -= len(piece)
-                self.stats["prefill_tokens"] += len(piece)
+                self.stats.prefill_tokens += len(piece)
             if not last:
                 break  # a chunk of a long prompt took the budget
             sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
             tokens = sample(out.logits, sb).tolist()
             for i, s in enumerate(group):
-                if self._coupled(s):  # the first output token's position-keyed draw
+                if self.verifier.coupled(s):  # the first output token's position-keyed draw
                     tokens[i] = coupled_tokens(out.logits[i : i + 1], sb.subset([i]), s.seed, [len(s.prompt_ids)])[0]
             for s, t in zip(group, tokens):
                 if self.prefix_caching:
@@ -211,7 +231,7 @@ class LLMEngine:
                     s.append_tokens([t])
                 self._join(s)
                 joined.append(s)
-        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.stats.prefill_s += time.perf_counter() - t0
         return joined
 
     def _join(self, s: Sequence) -> None:
@@ -227,11 +247,6 @@ class LLMEngine:
                 other.slot = s.slot
             s.slot = slot
         self.running.append(s)
-
-    def _coupled(self, s: Sequence) -> bool:
-        """Whether ``s`` samples with position-keyed randomness (``sample.coupled``): a random request
-        under ``sampling_mode="coupled"`` (greedy requests need no randomness)."""
-        return self.cfg.sampling_mode == "coupled" and not s.params.greedy
 
     def _draft_budget(self, s: Sequence, k: int | None = None) -> int:
         """Drafts worth verifying for ``s`` (at most ``k``, default the proposer's): none past max_tokens
@@ -256,82 +271,68 @@ class LLMEngine:
         return [0] * len(self.running)
 
     def _decode(self) -> None:
+        """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
+        -> the emitted tokens appended."""
         t0 = time.perf_counter()
         budgets = self._reserve_blocks()
         seqs = self.running
         if not seqs:
             return
+        drafts, matches = self._propose(seqs, budgets)
+        batch = forward_inputs(seqs, drafts)
+        out = self.runner.forward(0, batch.tokens, batch.starts, "all", aux_layers=self.proposer.aux_layers,
+                                  tree_mask=batch.tree_mask, positions=batch.positions,
+                                  return_hidden=self.proposer.needs_hidden)
+        results = self.verifier.verify(seqs, drafts, batch.starts, out.logits)
+        self._commit(seqs, drafts, batch, out, results, matches)
+        self.stats.verified_tokens += sum(len(t) for t in batch.tokens)
+        self.stats.decode_steps += 1
+        self.stats.decode_s += time.perf_counter() - t0
+
+    def _propose(self, seqs, budgets: list[int]) -> tuple[Drafts, list]:
+        """The drafter's chains or trees within ``budgets``, with n-gram branches grafted in where the
+        engine adds them, every random row as a tree under an opt-in lossy rule, and no drafts where a
+        tree needs more KV blocks than are free. Also returns each row's n-gram matches."""
         matches = self._ngram_matches(seqs) if self.ngram_branch else [[] for _ in seqs]
         planned = self.proposer.plans_branches and self.ngram_branch
-        if any(budgets):
-            branches = [[self.branch_acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned else None
-            t_draft = time.perf_counter()
-            prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
-            self.stats["draft_s"] += time.perf_counter() - t_draft
-        else:
-            prop = Proposal([[] for _ in seqs])
+        if not any(budgets):
+            return Drafts.none(len(seqs)), matches
+        branches = [[self.branch_acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned else None
+        t_draft = time.perf_counter()
+        prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
+        self.stats.draft_s += time.perf_counter() - t_draft
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
         trees = prop.trees if prop.has_trees else [None] * len(seqs)
-        own_nodes = prop.own_nodes or [None] * len(seqs)  # with branch nodes: how many are the drafter's
-        if (self.ngram_branch and not planned and prop.draft_probs is None
-                and self.proposer.lossy_verify is None):  # whole branches below the drafter's nodes
+        drafts = Drafts(chains, trees, prop.draft_probs, prop.own_nodes or [None] * len(seqs))
+        lossy = self.proposer.lossy_verify is not None
+        if self.ngram_branch and not planned and prop.draft_probs is None and not lossy:
             grafted = [graft(t, s.output_ids[-1], c, [toks for toks, _ in m], self._branch_trees)
-                       for s, c, t, m in zip(seqs, chains, trees, matches)]
-            trees, own_nodes = [g[0] for g in grafted], [g[1] for g in grafted]
-            prop = Proposal(chains, None, trees)
-        self.stats["ngram_branch_tokens"] += sum(len(t.tokens) - o for t, o in zip(trees, own_nodes) if o is not None)
-        if self.proposer.lossy_verify is not None:  # opt-in lossy acceptance: every random row as a tree
-            trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c, path_tree(len(c)))
-                     for s, c, t in zip(seqs, chains, trees)]
-            prop = Proposal(chains, prop.draft_probs, trees)
-        if prop.has_trees and not self.scheduler.reserve(
-                [s.num_computed + len(t.tokens) if t is not None else s.num_computed + 1 + len(c)
-                 for s, t, c in zip(seqs, trees, chains)]):  # trees larger than the blocks reserved: no drafts
-            chains, trees, own_nodes = [[] for _ in seqs], [None] * len(seqs), [None] * len(seqs)
-            prop = Proposal(chains)
-        starts = [s.num_computed for s in seqs]
-        tokens, masks, positions = [], [], []
-        for s, c, t, st in zip(seqs, chains, trees, starts):
-            if t is not None:
-                tokens.append(list(t.tokens))
-                masks.append(t.buffers.attn_mask)
-                positions.append((t.buffers.depth + st).tolist())
-            else:
-                tokens.append([s.output_ids[-1]] + c)
-                masks.append(None)
-                positions.append(list(range(st, st + 1 + len(c))))
-        any_tree = prop.has_trees
-        self.stats["verified_tokens"] += sum(len(t) for t in tokens)
-        out = self.runner.forward(0, tokens, starts, "all", aux_layers=self.proposer.aux_layers,
-                                  tree_mask=masks if any_tree else None, positions=positions if any_tree else None,
-                                  return_hidden=self.proposer.needs_hidden)
-        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], out.logits.device)
-        if any_tree:
-            results = self._verify_trees(seqs, trees, chains, prop, out.logits, sb, starts)
-        else:
-            results = [None] * len(seqs)
-            for b, s in enumerate(seqs):
-                if self._coupled(s):
-                    emitted = verify_chain_coupled(chains[b], out.logits[b], sb.subset([b]), s.seed, len(s.all_ids))
-                    results[b] = (emitted, list(range(len(emitted))))
-            rows = [b for b, r in enumerate(results) if r is None]
-            if rows:  # rejection sampling (vLLM's semantics) for the others
-                maxk = max(len(chains[b]) for b in rows)
-                dp = prop.draft_probs[rows, :maxk] if prop.draft_probs is not None else None
-                res = rejection_sample([chains[b] for b in rows], dp, out.logits[rows, : maxk + 1],
-                                       sb.subset(rows) if len(rows) < len(seqs) else sb).tolist()
-                for b, row in zip(rows, res):
-                    results[b] = ([t for t in row if t != PLACEHOLDER], list(range(len(row) - row.count(PLACEHOLDER))))
+                       for s, c, t, m in zip(seqs, chains, trees, matches)]  # whole branches below the drafter's
+            drafts = Drafts(chains, [g[0] for g in grafted], None, [g[1] for g in grafted])
+        self.stats.ngram_branch_tokens += sum(len(t.tokens) - o for t, o in zip(drafts.trees, drafts.own_nodes)
+                                              if o is not None)
+        if lossy:  # opt-in lossy acceptance: every random row as a tree
+            drafts.trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c,
+                                                                                path_tree(len(c)))
+                            for s, c, t in zip(seqs, chains, drafts.trees)]
+        if drafts.has_trees and not self.scheduler.reserve(
+                [s.num_computed + n for s, n in zip(seqs, drafts.tokens_per_row())]):
+            return Drafts.none(len(seqs)), matches  # trees larger than the blocks reserved: no drafts
+        return drafts, matches
+
+    def _commit(self, seqs, drafts: Drafts, batch, out, results, matches) -> None:
+        """Append each sequence's emitted tokens; tell the drafter what was accepted and the target
+        features of the positions kept; update the metrics and the n-gram branch statistics."""
         emitted_total = 0
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
-            self.metrics.record(trees[b].buffers.max_depth if trees[b] is not None else len(chains[b]), accepted)
+            self.metrics.record(drafts.depth(b), accepted)
             own = accepted
-            if own_nodes[b] is not None:  # the drafter's own nodes are a prefix of any accepted path
-                own = sum(1 for i in kept_idx[1:] if i < own_nodes[b])
-                self.stats["ngram_branch_wins"] += own < accepted
+            if drafts.own_nodes and drafts.own_nodes[b] is not None:  # the drafter's nodes: a prefix of any path
+                own = sum(1 for i in kept_idx[1:] if i < drafts.own_nodes[b])
+                self.stats.ngram_branch_wins += own < accepted
             self.proposer.verified(s, own)
-            s.num_computed = starts[b] + 1 + accepted
+            s.num_computed = batch.starts[b] + 1 + accepted
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
@@ -339,9 +340,7 @@ class LLMEngine:
             for toks, key in matches[b]:
                 self.branch_acceptance.observe(key, toks, emitted)
             emitted_total += s.append_tokens(emitted)
-        self.stats["decode_tokens"] += emitted_total
-        self.stats["decode_steps"] += 1
-        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats.decode_tokens += emitted_total
 
     @property
     def ngram_branch(self) -> int:
@@ -350,10 +349,11 @@ class LLMEngine:
 
     def _ngram_matches(self, seqs) -> list[list[tuple[list[int], tuple]]]:
         """``ngram_branch``: each sequence's n-gram continuations, (tokens, ``branch_acceptance`` key:
-        sampling setting, matched n, rank) each, from the sequence itself and from ``ngram_pool`` (earlier requests), offered as more branches of the
-        drafter's chain or tree. The drafters miss on different tokens: chat answers repeat words of
-        the prompt, of themselves and of earlier answers, which a trained drafter often does not
-        predict. Verification stays lossless (deterministic drafts, one-hot rule), whichever wins."""
+        sampling setting, matched n, rank) each, from the sequence itself and from ``ngram_pool`` (earlier
+        requests), offered as more branches of the drafter's chain or tree. The drafters miss on different
+        tokens: chat answers repeat words of the prompt, of themselves and of earlier answers, which a
+        trained drafter often does not predict. Verification stays lossless (deterministic drafts,
+        one-hot rule), whichever wins."""
         out = []
         for s in seqs:
             k = self._draft_budget(s, self.ngram_branch)
@@ -362,38 +362,6 @@ class LLMEngine:
             key = sampling_key(s.params)
             out.append([(toks, (key, n, r)) for r, (toks, n) in enumerate(found)])
         return out
-
-    def _verify_trees(self, seqs, trees, chains, prop, logits, sb, starts):
-        """Per sequence: (emitted tokens, indices of the new positions now kept in the cache)."""
-        results = []
-        for b, (s, t) in enumerate(zip(seqs, trees)):
-            coupled = self._coupled(s) and self.proposer.lossy_verify is None
-            if t is None and coupled:
-                emitted = verify_chain_coupled(chains[b], logits[b], sb.subset([b]), s.seed, len(s.all_ids))
-                results.append((emitted, list(range(len(emitted)))))
-                continue
-            if t is None:  # a chain row in a tree batch
-                k = len(chains[b])
-                dp = prop.draft_probs[b : b + 1, :k] if prop.draft_probs is not None and k else None
-                row = rejection_sample([chains[b]], dp, logits[b : b + 1, : k + 1], sb.subset([b]))[0].tolist()
-                kept = [x for x in row if x != PLACEHOLDER]
-                results.append((kept, list(range(len(kept)))))
-                continue
-            n = len(t.tokens)
-            tok = torch.tensor(t.tokens, dtype=torch.long)
-            if s.params.greedy:
-                nodes, extra = verify_tree_greedy(tok, logits[b, :n], t.buffers)
-            elif coupled:
-                nodes, extra = verify_tree_coupled(tok, logits[b, :n], t.buffers, sb.subset([b]), s.seed,
-                                                   len(s.all_ids))
-            elif self.proposer.lossy_verify is not None:
-                nodes, extra = self.proposer.lossy_verify(t.tokens, logits[b, :n], t.buffers, s.params, s.generator)
-            else:
-                nodes, extra = verify_tree_sample(tok, logits[b, :n], t.buffers, sb.subset([b]), s.generator)
-            if nodes != list(range(len(nodes))):  # keep the accepted path's K/V, contiguous
-                self.runner.compact(b, [starts[b] + i for i in nodes], starts[b])
-            results.append(([t.tokens[i] for i in nodes[1:]] + [int(extra)], nodes))
-        return results
 
     def get_metrics(self) -> dict:
         return self.metrics.as_dict()

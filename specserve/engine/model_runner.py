@@ -16,7 +16,6 @@ import re
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 

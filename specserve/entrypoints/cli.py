@@ -433,7 +433,7 @@ def cmd_generate(args) -> int:
         comp = out.outputs[0]
         n = len(comp.token_ids)
         st = llm.engine.stats
-        decode = f", decode {st['decode_tokens'] / st['decode_s']:.1f} tok/s" if st["decode_s"] > 0 else ""
+        decode = f", decode {st.decode_tokens / st.decode_s:.1f} tok/s" if st.decode_s > 0 else ""
         if llm.engine.proposer.name != "none":
             m = llm.get_metrics()
             decode += (f", {llm.engine.proposer.name}: mean acceptance length {m['mean_acceptance_length']:.2f}, "
@@ -514,7 +514,8 @@ def cmd_demo(args) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),
             ("Medusa (shipped heads; the cost model chooses each step's tree among their candidates and n-gram "
-             "branches; lossless)", {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **DEMO_BRANCHES}),
+             "branches; lossless)",
+             {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **DEMO_BRANCHES}),
             ("DSpark (shipped drafter; the cost model chooses each step's tree among its candidates and n-gram "
              "branches; lossless)", {"method": "dspark", "dspark_tree": "auto", **DEMO_BRANCHES})]
     results = []
@@ -535,7 +536,7 @@ def cmd_demo(args) -> int:
             ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_QUESTION}])
             wall, out = _stream(llm, {"prompt": DEMO_QUESTION, "prompt_token_ids": ids}, params)
             st = llm.engine.stats
-            dec = st["decode_tokens"] / st["decode_s"] if st["decode_s"] > 0 else 0.0
+            dec = st.decode_tokens / st.decode_s if st.decode_s > 0 else 0.0
             tau = llm.get_metrics()["mean_acceptance_length"]
             results.append((title, out.outputs[0].token_ids, dec, tau))
             print(f"-> {len(out.outputs[0].token_ids)} tokens in {wall:.2f} s: decoding {dec:.1f} tok/s, "
@@ -548,7 +549,8 @@ def cmd_demo(args) -> int:
         same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
         print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
               f"mean acceptance length {tau:.2f}, text {same}")
-    print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat prompts)")
+    print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat "
+          "prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
           "specserve bench --methods none,ngram,medusa-tree-dynamic-pool,dspark-tree-pool,dflash")
     return 0
@@ -634,7 +636,8 @@ def cmd_train_dspark(args) -> int:
     for k in range(len(ev["acceptance"])):
         print(f"  slot {k + 1}: acceptance estimate {ev['acceptance'][k]:.3f}  cumulative {ev['cumulative'][k]:.3f}  "
               f"greedy {ev['greedy_acceptance'][k]:.3f}  STS T {res['sts']['temperatures'][k]:.2f}")
-    print(f"tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}" + (f"; {init['tau']:.3f} at init" if init else "")
+    print(f"tau estimate {ev['tau']:.3f} (greedy {ev['greedy_tau']:.3f}"
+          + (f"; {init['tau']:.3f} at init" if init else "")
           + f"); greedy decoding replayed: tau {ev['decode']['tau']:.3f} ("
           + " ".join(f"{x:.2f}" for x in ev["decode"]["acceptance"]) + ")"
           + "".join(f", {k} {v:.3f}" for k, v in ev["decode"].get("by_source", {}).items()))

@@ -1,14 +1,15 @@
 """The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
-float64 attention over the slot KV cache, the fused residual add + RMSNorm, a whole decoder layer of a
+float64 attention over the paged KV cache, the fused residual add + RMSNorm, a whole decoder layer of a
 quantized model in one call, and (``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 builds only) the group
 kernel of 4- and 8-bit weights (``layers.quant.GroupKernel``).
 
 Built with ``torch.utils.cpp_extension.load`` on first use (~40 s) into the specserve cache
 (``cache_root() / "torch_ext"``), so later processes load it at once. ``-O3 -fopenmp`` (the ops'
 ``at::parallel_for`` runs on torch's own OpenMP threads), plus ``-mavx512f -mavx512bw -mavx512bf16``
-only where this CPU has them (checked at run time): the build directory is named after the variant. Where the build fails (no compiler) or ``SPECSERVE_NO_EXT=1`` is set, ``get``
-returns None and the callers use their PyTorch code (one log line says so). ``ENABLED`` (module flag)
-switches the ops off in a running process (benchmarks compare both ways)."""
+only where this CPU has them (checked at run time): the build directory is named after the variant.
+Where the build fails (no compiler) or ``SPECSERVE_NO_EXT=1`` is set, ``get`` returns None and the
+callers use their PyTorch code (one log line says so). ``ENABLED`` (module flag) switches the ops off
+in a running process (benchmarks compare both ways)."""
 
 from __future__ import annotations
 

@@ -147,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, min(cfg.max_position_embeddings, 4096), cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, min(cfg.max_position_embeddings, 4096),
+                                      cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, aux_layers=()):
         """input_ids, positions [B, Q] -> (final normed hidden [B, Q, d], [outputs of ``aux_layers``, in

@@ -115,7 +115,8 @@ def rejection_sample(
         px = p[:, :M].gather(-1, safe_r.unsqueeze(-1)).squeeze(-1)
         px = torch.where(valid_r, px, torch.zeros_like(px))
         if draft_probs is not None:
-            if draft_probs.dim() != 3 or draft_probs.shape[0] != B or draft_probs.shape[1] < M or draft_probs.shape[2] != V:
+            shape = tuple(draft_probs.shape)
+            if len(shape) != 3 or shape[0] != B or shape[1] < M or shape[2] != V:
                 raise ValueError(
                     f"draft_probs must be [B={B}, >= {M}, V={V}], got shape {tuple(draft_probs.shape)}"
                 )

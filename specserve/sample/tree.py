@@ -173,7 +173,8 @@ class TreeCache:
         return len(self._trees)
 
 
-def tree_tokens_from_candidates(root_token: int | torch.Tensor, head_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+def tree_tokens_from_candidates(root_token: int | torch.Tensor, head_topk: torch.Tensor,
+                                buffers: TreeBuffers) -> torch.Tensor:
     """Tree tokens ``[N]`` of a rank-path tree: ``candidates[tree_indices]`` with
     ``candidates = [root] + concat_k head_topk[k]`` (``head_topk``: ``[K, topk]`` token ids, rank order)."""
     if buffers.tree_indices is None:
@@ -192,7 +193,8 @@ def _check(tree_tokens: torch.Tensor, target_logits: torch.Tensor, buffers: Tree
         )
 
 
-def verify_tree_greedy(tree_tokens: torch.Tensor, target_logits: torch.Tensor, buffers: TreeBuffers) -> tuple[list[int], int]:
+def verify_tree_greedy(tree_tokens: torch.Tensor, target_logits: torch.Tensor,
+                       buffers: TreeBuffers) -> tuple[list[int], int]:
     """Greedy tree verification.
 
     Returns ``(accepted, next_token)``: ``accepted`` the node indices root-first (always starts with

@@ -273,7 +273,8 @@ class DSparkProposer(Proposer):
         if draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
         if dspark_verify not in VERIFY_MODES:
-            raise ValueError(f"dspark_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {dspark_verify!r}")
+            raise ValueError(f"dspark_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, "
+                             f"got {dspark_verify!r}")
         if not 0.0 <= float(confidence_threshold) <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         if dspark_tree is not None:
@@ -397,7 +398,8 @@ class DSparkProposer(Proposer):
             conf = self._calibrated(blk.confidences)  # [R, g]
             if self.verify_mode == "threshold":
                 below = (conf < self.threshold).tolist()
-                lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row))) for L, row in zip(lengths, below)]
+                lengths = [min(L, next((i for i, x in enumerate(row) if x), len(row)))
+                           for L, row in zip(lengths, below)]
             else:
                 surv = [row[:L] for row, L in zip(torch.cumprod(conf, dim=1).tolist(), lengths)]
                 lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv,

@@ -290,7 +290,8 @@ class MarkovHead(nn.Module):
         if head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, got {head_type!r}")
         tp = tp or TPGroup()
-        self.vocab_size, self.draft_vocab_size, self.rank, self.hidden_size = vocab_size, draft_vocab_size, rank, hidden_size
+        self.vocab_size, self.draft_vocab_size = vocab_size, draft_vocab_size
+        self.rank, self.hidden_size = rank, hidden_size
         self.head_type = head_type
         self.sharded = not replicate
         if replicate:
@@ -577,7 +578,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         offset += W * kk
     if not toks:
         empty = torch.zeros(B, 0, dtype=torch.long, device=device)
-        return DraftTree(empty, empty, torch.zeros(0, dtype=torch.long, device=device), torch.zeros(B, 0, device=device))
+        return DraftTree(empty, empty, torch.zeros(0, dtype=torch.long, device=device),
+                         torch.zeros(B, 0, device=device))
     return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.tensor(depth, dtype=torch.long, device=device),
                      torch.cat(scores, 1))
 

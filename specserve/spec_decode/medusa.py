@@ -96,7 +96,8 @@ class MedusaProposer(Proposer):
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
         if medusa_verify not in VERIFY_MODES:
-            raise ValueError(f"medusa_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, got {medusa_verify!r}")
+            raise ValueError(f"medusa_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, "
+                             f"got {medusa_verify!r}")
         if not 1 <= medusa_topk <= 64:
             raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
         self.requested_k = num_speculative_tokens

@@ -57,7 +57,8 @@ class MedusaConfig:
         if self.num_layers < 0:
             raise ValueError(f"medusa num_layers must be >= 0, got {self.num_layers}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
-            raise ValueError(f"medusa draft_vocab_size must be in 1..{self.vocab_size - 1}, got {self.draft_vocab_size}")
+            raise ValueError(f"medusa draft_vocab_size must be in 1..{self.vocab_size - 1}, "
+                             f"got {self.draft_vocab_size}")
 
     @property
     def head_vocab_size(self) -> int:

@@ -115,7 +115,8 @@ class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int = 5, prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
                  prompt_lookup_min: int = PROMPT_LOOKUP_MIN):
         if not (1 <= prompt_lookup_min <= prompt_lookup_max):
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max ({prompt_lookup_max})")
+            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({prompt_lookup_max})")
         self.num_speculative_tokens = num_speculative_tokens
         self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
 

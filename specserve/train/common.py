@@ -140,7 +140,8 @@ def source_counts(sources: list[str], num_prompts) -> list[int]:
         return counts * len(sources)
     if len(counts) != len(sources):
         raise DataError(f"{len(counts)} prompt counts ({', '.join(map(str, counts))}) for {len(sources)} prompt "
-                        f"source{'s' if len(sources) > 1 else ''} ({', '.join(sources)}): give one count for all or one per source")
+                        f"source{'s' if len(sources) > 1 else ''} ({', '.join(sources)}): give one count for all "
+                        "or one per source")
     return counts
 
 

@@ -206,13 +206,12 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
                  log=None, cache_chunk: int | None = None) -> list[dict]:
     """The target writes its own responses to ``prompts``: ``[{"prompt", "ids", "prompt_len"}]``, where
     ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
-    ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching). ``temperature`` 0 is greedy; otherwise
-    request i is seeded with ``seed + i``. The result is cached in ``cache_dir`` (default
-    ``~/.cache/specserve/train``) under a key of the model, prompts and every argument, in chunks of
-    ``cache_chunk`` (default ``CACHE_CHUNK``) prompts (``cached_chunks``); pass ``cache_dir=False`` to disable
-    the cache. A prompt
-    that leaves no room for ``max_tokens`` within the model's ``max_model_len`` is skipped (and counted
-    in the log) rather than stopping the run."""
+    ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching).
+    ``temperature`` 0 is greedy; otherwise request i is seeded with ``seed + i``. The result is cached
+    in ``cache_dir`` (default ``~/.cache/specserve/train``) under a key of the model, prompts and every
+    argument, in chunks of ``cache_chunk`` (default ``CACHE_CHUNK``) prompts (``cached_chunks``); pass
+    ``cache_dir=False`` to disable the cache. A prompt that leaves no room for ``max_tokens`` within the
+    model's ``max_model_len`` is skipped (and counted in the log) rather than stopping the run."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     engine = llm.engine
@@ -240,7 +239,8 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
         return _generate(llm, [prompts[i] for i in keep], [ids[i] for i in keep], max_tokens, temperature,
                          batch_size, seed + start, log)
 
-    chunks = cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation", cache_chunk or CACHE_CHUNK)
+    chunks = cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation",
+                           cache_chunk or CACHE_CHUNK)
     return [x for c in chunks for x in c]
 
 
@@ -261,8 +261,8 @@ def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log)
         res = llm.generate([{"prompt_token_ids": ids[i]} for i in chunk], params, use_tqdm=False)
         for i, r in zip(chunk, res):
             p, x = prompts[i], ids[i]
-            out[i] = {"prompt": p if isinstance(p, str) else json.dumps(p), "ids": list(x) + list(r.outputs[0].token_ids),
-                      "prompt_len": len(x)}
+            out[i] = {"prompt": p if isinstance(p, str) else json.dumps(p),
+                      "ids": list(x) + list(r.outputs[0].token_ids), "prompt_len": len(x)}
             n_tok += len(r.outputs[0].token_ids)
         done += len(chunk)
         if log:

@@ -155,7 +155,8 @@ class DSparkTrainArgs:
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
         if self.draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the target's vocabulary), got {self.draft_vocab_size}")
+            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the target's vocabulary), "
+                             f"got {self.draft_vocab_size}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
                              f"got {self.markov_head_type!r}")
@@ -574,8 +575,8 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
     ce_m, tv_m, bce_m = (w * ce).sum() / W, (w * tv).sum() / W, (w * bce).sum() / W
     loss = loss_w[0] * ce_m + loss_w[1] * tv_m + loss_w[2] * bce_m
     return {"loss": loss, "ce": ce_m.detach(), "tv": tv_m.detach(), "bce": bce_m.detach(), "slot": slot,
-            "cstar": cstar, "conf_logit": conf_logit.detach(), "hit": (_to_target(logits.argmax(-1), vocab_ids) == y).detach(),
-            "valid": valid}
+            "cstar": cstar, "conf_logit": conf_logit.detach(),
+            "hit": (_to_target(logits.argmax(-1), vocab_ids) == y).detach(), "valid": valid}
 
 
 def slot_weights(gamma: int, decay: float = 4.0) -> torch.Tensor:
@@ -614,7 +615,8 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         gen.set_state(saved["generator"])
-        epoch_loss, epoch_acc, step_loss, blocks = (saved[k] for k in ("epoch_loss", "epoch_acc", "step_loss", "blocks"))
+        epoch_loss, epoch_acc, step_loss, blocks = (saved[k] for k in
+                                                    ("epoch_loss", "epoch_acc", "step_loss", "blocks"))
         first_ep, first_step, before_s = saved["epoch"], saved["step"], saved["train_s"]
         resumed_at = saved["resumed_at"] + [first_ep * steps_per_epoch + first_step]
         if log:
@@ -914,7 +916,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype)
     model = runner.model
-    features = lambda s: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
+    features = lambda s, model=model: cached_target_features(model, model_dir, s, layer_ids, cache_dir, log,  # noqa: E731
                                                 args.progress)
     f_train = [] if args.eval_only else by_source(features, train_s, run.train_sizes)
     f_held = by_source(features, held_s, run.held_sizes)
@@ -922,7 +924,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
     if kept:
         llm.shutdown()
-    del llm, run, runner, model
+    del llm, run, runner, model, features
     timings["features_s"] = time.perf_counter() - t
     n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
     log(f"{len(train_s)} training sequences ({n_resp} response tokens), {len(held_s)} held-out sequences")

@@ -367,14 +367,14 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype)
     model = runner.model
-    hidden = lambda s: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
+    hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
     hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(model)
     cfg_t = runner.config
     if kept:
         llm.shutdown()
-    del llm, run, runner, model
+    del llm, run, runner, model, hidden
     V = cfg_t.vocab_size
     vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
     if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary

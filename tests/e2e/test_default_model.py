@@ -35,7 +35,8 @@ def test_gguf_tensors_equal_hf(hf_gguf):
 def test_tokenizer_and_chat_template_match_hf(hf_gguf, default_model_dir):
     hf_tok, _ = hf_gguf
     ours = Tokenizer.from_dir(default_model_dir)
-    for text in ["Hello world!", "The year 2024 had 366 days.", "  spaces\tand\nnewlines ", "<|im_start|>user\nhi<|im_end|>",
+    for text in ["Hello world!", "The year 2024 had 366 days.", "  spaces\tand\nnewlines ",
+                 "<|im_start|>user\nhi<|im_end|>",
                  "naïve café — déjà vu 😀", "def f(x):\n    return x**2"]:
         assert ours.encode(text) == hf_tok.encode(text, add_special_tokens=True), text
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text

@@ -82,7 +82,7 @@ def test_a_bad_request_refuses_the_whole_batch(tiny_llama, prompts, params, exc,
     assert not llm.engine.waiting and not llm.engine.running
     out = llm.generate([[7, 8, 9]], greedy, use_tqdm=False)
     assert len(out) == 1 and out[0].outputs[0].token_ids == want
-    assert llm.engine.stats["prefill_tokens"] == 3  # nothing else was ever prefilled
+    assert llm.engine.stats.prefill_tokens == 3  # nothing else was ever prefilled
 
 
 def _bad_model(kind, tiny_llama, tmp_path):

@@ -32,7 +32,8 @@ def test_bench_ngram_suffix_adds_the_branch_to_drafters_only():
     assert method_factory("dspark-auto-ngram")().speculative_config["dspark_verify"] == "auto"
     assert method_factory("medusa-ngram12")().speculative_config == {"method": "medusa", "ngram_branch": 12}
     pool = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
-    assert method_factory("dspark-tree-pool")().speculative_config == {"method": "dspark", "dspark_tree": "auto", **pool}
+    want = {"method": "dspark", "dspark_tree": "auto", **pool}
+    assert method_factory("dspark-tree-pool")().speculative_config == want
     assert method_factory("medusa-pool8")().speculative_config == {"method": "medusa", **pool, "ngram_branch": 8}
     for bad in ("none-ngram", "hf-ngram", "ngram-ngram", "dspark-prob-ngram", "medusa-ngram-ngram", "-ngram",
                 "medusa-ngram0", "medusa-ngram-5", "medusa-ngram5-ngram", "medusa-pool-ngram", "none-pool"):
@@ -105,7 +106,8 @@ def test_bench_interleaves_methods_prompt_by_prompt():
     assert [c for c in calls if c[0] != "start"] == [(n, i) for n in names for i in range(4)]
     assert sorted(closed) == sorted(names)
     for n in names:
-        assert isinstance(got[n], MethodResult) and got[n].outputs == alone[n].outputs == [[len(n), i] for i in range(4)]
+        assert isinstance(got[n], MethodResult)
+        assert got[n].outputs == alone[n].outputs == [[len(n), i] for i in range(4)]
 
 
 def test_bench_heldout_prompt_sets():

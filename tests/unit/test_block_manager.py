@@ -123,8 +123,8 @@ def test_engine_prefix_caching_skips_the_shared_prompt_and_changes_nothing(tiny_
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     st = llm.engine.stats
-    assert st["prefix_cached_tokens"] == 2 * 32  # two full blocks of 16, for each later request
-    assert st["prefill_tokens"] == sum(len(p) for p in prompts) - 2 * 32
+    assert st.prefix_cached_tokens == 2 * 32  # two full blocks of 16, for each later request
+    assert st.prefill_tokens == sum(len(p) for p in prompts) - 2 * 32
 
 
 def test_preemption_when_blocks_run_out_recomputes_and_changes_nothing(tiny_llama):
@@ -190,5 +190,5 @@ def test_a_recomputed_sequence_takes_cached_blocks_and_goes_on_the_same(tiny_lla
     seq.append_tokens(first[:k])  # as a preempted sequence comes back
     while eng.has_unfinished():
         eng.step()
-    assert eng.stats["prefix_cached_tokens"] == 16  # the block of its last prefill position is computed
+    assert eng.stats.prefix_cached_tokens == 16  # the block of its last prefill position is computed
     assert seq.output_ids == first

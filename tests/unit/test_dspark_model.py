@@ -286,7 +286,8 @@ def test_bad_tensors_are_named(tmp_path):
 def test_validate_direct():
     small_cfg().validate(target_cfg())
     for kw, field in [(dict(hidden_size=48), "hidden_size"), (dict(vocab_size=60, draft_vocab_size=60), "vocab_size"),
-                      (dict(target_layer_ids=[7]), "target_layer_ids"), (dict(target_layer_ids=[3]), "target_layer_ids"),
+                      (dict(target_layer_ids=[7]), "target_layer_ids"),
+                      (dict(target_layer_ids=[3]), "target_layer_ids"),
                       (dict(mask_token_id=None), "mask_token_id"), (dict(draft_vocab_size=V + 1), "draft_vocab_size"),
                       (dict(markov_head_type="lstm"), "markov_head_type"),
                       (dict(markov_rank=0), "confidence_head_with_markov")]:
@@ -577,10 +578,12 @@ def direct_block(sd, cfg, feats, ctx_pos, x, start):
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         xn = _rms(h, sd[p + "input_layernorm.weight"])
-        q = _rope(_rms((xn @ sd[p + "self_attn.q_proj.weight"].T).view(B, H, HD), sd[p + "self_attn.q_norm.weight"]), bpos)
+        q = _rope(_rms((xn @ sd[p + "self_attn.q_proj.weight"].T).view(B, H, HD), sd[p + "self_attn.q_norm.weight"]),
+                  bpos)
         src = torch.cat([hctx, xn])
         allpos = torch.cat([ctx_pos, bpos])
-        k = _rope(_rms((src @ sd[p + "self_attn.k_proj.weight"].T).view(-1, HKV, HD), sd[p + "self_attn.k_norm.weight"]),
+        k = _rope(_rms((src @ sd[p + "self_attn.k_proj.weight"].T).view(-1, HKV, HD),
+                       sd[p + "self_attn.k_norm.weight"]),
                   allpos)
         v = (src @ sd[p + "self_attn.v_proj.weight"].T).view(-1, HKV, HD)
         k, v = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)

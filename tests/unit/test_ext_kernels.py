@@ -34,7 +34,8 @@ def _paged(cache, slot, B, bs=16):
     (blocks of ``bs`` positions in a shuffled order, block 0 the scratch block) and their block tables."""
     _, _, hkv, cap, d = cache.shape
     nb = cap // bs
-    blocks = cache[slot : slot + B].reshape(B, 2, hkv, nb, bs, d).permute(0, 3, 1, 2, 4, 5).reshape(B * nb, 2, hkv, bs, d)
+    blocks = cache[slot : slot + B].reshape(B, 2, hkv, nb, bs, d).permute(0, 3, 1, 2, 4, 5)
+    blocks = blocks.reshape(B * nb, 2, hkv, bs, d)
     ids = torch.randperm(B * nb, generator=torch.Generator().manual_seed(slot)) + 1
     pool = torch.zeros(B * nb + 1, 2, hkv, bs, d, dtype=cache.dtype)
     pool[ids] = blocks

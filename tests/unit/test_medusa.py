@@ -222,13 +222,15 @@ def test_dynamic_tree_by_cost(tiny_llama, tiny_heads, kind, tree):
                 continue
             paths = [tuple(p) for p in t.buffers.rank_paths]
             assert all(p[:-1] in paths or len(p) == 1 for p in paths)  # a subtree
-            assert min(score[p] for p in paths) >= max([v for p, v in score.items() if p not in paths], default=0) - 1e-6
+            rest = [v for p, v in score.items() if p not in paths]
+            assert min(score[p] for p in paths) >= max(rest, default=0) - 1e-6
             ids = prop.heads.to_target(probs.indices)
             assert t.tokens == [s.output_ids[-1]] + [int(ids[len(p) - 1, p[-1]]) for p in t.buffers.rank_paths]
         return out
 
     prop.propose = record
-    for costs, check in (({1: 1.0, 1000: 1.0}, lambda: all(lo <= n <= hi for n, (lo, hi) in zip(sizes, allowed)) and max(sizes) > len(cand) // 2),
+    for costs, check in (({1: 1.0, 1000: 1.0}, lambda: all(lo <= n <= hi for n, (lo, hi) in zip(sizes, allowed))
+                          and max(sizes) > len(cand) // 2),
                          ({1: 1.0, 1000: 1000.0}, lambda: set(sizes) == {0}),
                          ({1: 1.0, 1000: 1.0 + 999 * 0.1}, lambda: len(set(sizes)) > 2 and 0 < max(sizes))):
         prop.verify_costs = costs

@@ -128,7 +128,8 @@ REPETITIVE = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 8, 7, 9, 8, 7, 9], [20, 21, 22
 
 
 # the drafters whose cost model weighs the branch tokens with their own (``plans_branches``)
-PLANNED = {"medusa-dynamic": {"medusa_tree": "auto", "medusa_verify": "auto"}, "dspark-tree-auto": {"dspark_tree": "auto"}}
+PLANNED = {"medusa-dynamic": {"medusa_tree": "auto", "medusa_verify": "auto"},
+           "dspark-tree-auto": {"dspark_tree": "auto"}}
 POOLED = {"ngram_branch": 6, "ngram_candidates": 3, "ngram_pool": True}
 
 
@@ -168,8 +169,8 @@ def test_greedy_identical_to_plain_and_the_branch_wins_steps(tiny_llama, tmp_pat
     for llm in (without, with_branch):
         assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
     st = with_branch.engine.stats
-    assert st["ngram_branch_tokens"] > 0 and st["ngram_branch_wins"] > 0, st
-    assert without.engine.stats["ngram_branch_tokens"] == 0
+    assert st.ngram_branch_tokens > 0 and st.ngram_branch_wins > 0, st
+    assert without.engine.stats.ngram_branch_tokens == 0
     # a tiny random model repeats itself: the n-gram branch adds accepted tokens to random drafters'
     assert with_branch.get_metrics()["mean_acceptance_length"] > without.get_metrics()["mean_acceptance_length"]
 
@@ -184,7 +185,7 @@ def test_rows_that_skip_drafting_still_verify_their_branches(tiny_llama, tmp_pat
     llm.engine.proposer.gate.skip = lambda seq_id: True  # the gate never lets a request draft
     assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
     st = llm.engine.stats
-    assert st["ngram_branch_tokens"] > 0 and st["ngram_branch_wins"] > 0, st
+    assert st.ngram_branch_tokens > 0 and st.ngram_branch_wins > 0, st
     assert llm.get_metrics()["mean_acceptance_length"] > 1.2
 
 
@@ -213,5 +214,5 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, kind, 
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
     st = spec.engine.stats
-    assert st["ngram_branch_tokens"] > 100 and st["ngram_branch_wins"] > 20, st  # the branch really played
+    assert st.ngram_branch_tokens > 100 and st.ngram_branch_wins > 20, st  # the branch really played
     assert_same_distribution(a, b)

@@ -178,7 +178,8 @@ def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantizati
     kw = dict(model=str(small_vocab_model), max_num_seqs=64, quantization=quantization,
               dtype="auto" if quantization else "float32")
     plain = LLM(sampling_mode="rejection", **kw)
-    spec = LLM(sampling_mode="rejection", **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    spec = LLM(sampling_mode="rejection", **kw,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     a = sample_prefixes(plain, 2000, 0, k=4)
     b = sample_prefixes(spec, 2000, 100_000, k=4)
     m = spec.get_metrics()

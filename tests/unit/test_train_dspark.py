@@ -203,7 +203,8 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     vocab = torch.arange(100) + sd2["d2t"]
     counts = torch.zeros(257)
     for smp in res2["train_samples"]:
-        counts.index_add_(0, torch.as_tensor(smp["ids"][smp["prompt_len"]:]), torch.ones(len(smp["ids"]) - smp["prompt_len"]))
+        resp = smp["ids"][smp["prompt_len"]:]
+        counts.index_add_(0, torch.as_tensor(resp), torch.ones(len(resp)))
     assert bool((vocab[1:] > vocab[:-1]).all())
     assert counts[vocab].min() >= counts[[i for i in range(257) if i not in set(vocab.tolist())]].max()
     _greedy_identical(tiny_llama, tmp_path / "d2", "dspark")
@@ -242,7 +243,8 @@ def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path
     assert f"to {out}" in stdout and "slot 1: acceptance estimate" in stdout and "slot 3:" in stdout
     cfg = json.loads((out / "config.json").read_text())
     # --extra-temperature: a second, sampled response to each of the 40 prompts is trained on too
-    assert cfg["training"]["train_prompts"] == 80 and cfg["training"]["self_distillation"]["extra_temperatures"] == [1.0]
+    assert cfg["training"]["train_prompts"] == 80
+    assert cfg["training"]["self_distillation"]["extra_temperatures"] == [1.0]
     assert "one more response to each training prompt sampled at temperature 1.0" in (out / "README.md").read_text()
     assert "80 training sequences" in (out / "README.md").read_text()
     assert cfg["markov_rank"] == 0 and cfg["confidence_head_with_markov"] is False
@@ -275,7 +277,8 @@ def test_cli_train_seed_draws_new_anchors_over_the_same_data(tiny_llama, tiny_pr
     for k in ("train_prompts", "train_response_tokens", "train_blocks_per_epoch", "heldout_prompts", "heldout_blocks"):
         assert c["c"][k] == c["a"][k], k
     assert c["c"]["epoch_loss"] != c["a"]["epoch_loss"]
-    assert c["c"]["seed"] == 0 and c["c"]["train_seed"] == 1 and "train_seed" not in c["a"] and "train_seed" not in c["b"]
+    assert c["c"]["seed"] == 0 and c["c"]["train_seed"] == 1
+    assert "train_seed" not in c["a"] and "train_seed" not in c["b"]
     assert "- **Seed:** 0 (the training loop's: 1, `--train-seed`" in (tmp_path / "c" / "README.md").read_text()
     assert "- **Seed:** 0.\n" in (tmp_path / "a" / "README.md").read_text()
 
@@ -320,8 +323,8 @@ def test_cli_train_dspark_init_from(tiny_llama, tiny_prompts, cache_dir, tmp_pat
     assert main(argv3) == 0
     # the first run's training and held-out sequences again: their target log-sum-exps come from the cache
     assert capsys.readouterr().err.count("target log-sum-exp: cached") == 2
-    assert "Initialised from** the drafter this directory held before this run (made by `specserve train dspark --out " \
-           f"{second} --init-from" in (second / "README.md").read_text()
+    assert ("Initialised from** the drafter this directory held before this run (made by `specserve train dspark "
+            f"--out {second} --init-from") in (second / "README.md").read_text()
     _greedy_identical(tiny_llama, second, "dspark")
 
     # the shape comes from the checkpoint: shape options beside --init-from are errors, naming them
@@ -382,7 +385,8 @@ def test_grow_draft_vocab_moves_rows_with_their_tokens(tiny_llama, tiny_prompts,
     new_rows = torch.tensor([pos[int(t)] for t in extra])
     h, r = torch.randn(5, tcfg.hidden_size), torch.randn(5, cfg.markov_rank)
     w2_old, w2_new = old_d.markov_head.markov_w2.weight, new_d.markov_head.markov_w2.weight
-    torch.testing.assert_close((h @ new_d.lm_head.weight.T + r @ w2_new.T)[:, at], h @ old_d.lm_head.weight.T + r @ w2_old.T,
+    torch.testing.assert_close((h @ new_d.lm_head.weight.T + r @ w2_new.T)[:, at],
+                               h @ old_d.lm_head.weight.T + r @ w2_old.T,
                                rtol=0, atol=0)
     stored = sd["lm_head.weight"].dtype  # a new row is the target's, in the checkpoint's dtype
     assert torch.equal(new_d.lm_head.weight[new_rows], lm_w[extra].to(stored).to(new_d.lm_head.weight.dtype))
@@ -390,7 +394,8 @@ def test_grow_draft_vocab_moves_rows_with_their_tokens(tiny_llama, tiny_prompts,
     with pytest.raises(ValueError, match="keep every token"):
         grow_draft_vocab(cfg, sd, extra.sort().values, lm_w)
     keep = torch.tensor([3, 9])
-    assert set(keep.tolist()) <= set(select_draft_vocab([{"ids": [1, 1, 2], "prompt_len": 0}], 20, 3, keep=keep).tolist())
+    chosen = select_draft_vocab([{"ids": [1, 1, 2], "prompt_len": 0}], 20, 3, keep=keep)
+    assert set(keep.tolist()) <= set(chosen.tolist())
 
     grown = tmp_path / "grown"
     argv = ["train", "dspark", "--out", str(grown), "--init-from", str(first), "--draft-vocab-size", "90",
@@ -501,10 +506,12 @@ def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir,
     assert res["train"]["step_loss"] == ref["train"]["step_loss"]
     assert res["train"]["epoch_loss"] == ref["train"]["epoch_loss"]
     assert res["heldout"]["loss"] == ref["heldout"]["loss"] and res["sts"] == ref["sts"]
-    w_ref, w_res = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(tmp_path / "run" / "model.safetensors"))
+    w_ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    w_res = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert set(w_ref) == set(w_res) and all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
     assert res["meta"]["resumed_at_steps"] == [stop_at] and res["train"]["train_s"] > res["train"]["train_s_before"] > 0
-    assert f"continued from its saved state at step {stop_at}: the same weights" in (tmp_path / "run" / "README.md").read_text()
+    readme = (tmp_path / "run" / "README.md").read_text()
+    assert f"continued from its saved state at step {stop_at}: the same weights" in readme
     # resume=False: from the start (same result), and the stale state goes
     state = killed_run(args)
     logs.clear()

@@ -279,7 +279,8 @@ def test_tree_walk_follows_certain_path_and_is_seeded():
     assert len(many) > 3
     # an explicit generator overrides the row's
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-    assert verify_tree_sample(toks, rand_logits, tb, sb_row(1), g1) == verify_tree_sample(toks, rand_logits, tb, sb_row(2), g2)
+    assert (verify_tree_sample(toks, rand_logits, tb, sb_row(1), g1)
+            == verify_tree_sample(toks, rand_logits, tb, sb_row(2), g2))
 
 
 def test_tree_walk_respects_top_p():
