@@ -261,6 +261,9 @@ class SpeculativeConfig:
         return kw
 
 
+# how random requests draw their tokens (``EngineConfig.sampling_mode``; ``sample.coupled``)
+SAMPLING_MODES = ("coupled", "rejection")
+
 # "auto": a GGUF runs in its own quantization (``gguf``), an HF directory unquantized; None / "none":
 # dense weights (a GGUF dequantized at load); "int8": every weight int8 per output channel; "int4":
 # linears int4 in groups of 32, embedding / LM head int8 per output channel (``layers.quant``)
@@ -316,7 +319,7 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory must be > 0 (GiB) or None, got {self.kv_cache_memory}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
-        if self.sampling_mode not in ("coupled", "rejection"):
+        if self.sampling_mode not in SAMPLING_MODES:
             raise ValueError(f"sampling_mode must be 'coupled' or 'rejection', got {self.sampling_mode!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

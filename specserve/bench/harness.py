@@ -59,7 +59,7 @@ from typing import Callable
 
 import torch
 
-from specserve.config import QUANTIZATION_NAMES
+from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
 from specserve.models.gguf import read_gguf
 from specserve.models.loader import gguf_source
 from specserve.spec_decode.ngram import POOLED_BRANCHES
@@ -665,7 +665,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         raise BenchError(f"--max-tokens must be >= 1, got {max_tokens}")
     if temperature < 0:
         raise BenchError(f"--temperature must be >= 0, got {temperature}")
-    if sampling_mode not in ("coupled", "rejection"):
+    if sampling_mode not in SAMPLING_MODES:
         raise BenchError(f"--sampling-mode must be coupled or rejection, got {sampling_mode!r}")
     if threads is not None and threads < 1:
         raise BenchError(f"--threads must be >= 1, got {threads}")

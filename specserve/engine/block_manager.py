@@ -42,7 +42,6 @@ class BlockManager:
         self.by_hash: dict[int, int] = {}  # content hash -> block
         self.tables: list[list[int]] = [[] for _ in range(max_slots)]
         self.fresh: list[int] = []  # blocks handed out since the last ``take_fresh`` (the cache zeroes them)
-        self.used_ever = 0  # distinct blocks ever handed out (the pool's resident part)
         self._touched = bytearray(num_blocks)
 
     # ---- counts -----------------------------------------------------------------------------------
@@ -72,7 +71,6 @@ class BlockManager:
         self.ref[b] = 1
         if not self._touched[b]:
             self._touched[b] = 1
-            self.used_ever += 1
             self.fresh.append(b)
         return b
 

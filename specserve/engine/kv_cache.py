@@ -97,7 +97,7 @@ class KVCache:
         """Keys and values of positions [0, length) of ``slot`` in ``layer``: [2, kv_heads, length, D]."""
         return self.gather(self.kv[layer], self.tables(slot, 1, length), length)[0]
 
-    def move(self, src: int, dst: int, length: int = 0) -> None:
+    def move(self, src: int, dst: int) -> None:
         """The sequence in slot ``src`` now decodes in slot ``dst`` (a table move, no copy)."""
         self.blocks.move(src, dst)
 
@@ -113,11 +113,3 @@ class KVCache:
         db, do = self.locate(t, torch.arange(dst_start, dst_start + n, device=self.device).view(1, -1))
         for c in self.kv:
             c[db, :, :, do] = c[sb, :, :, so]
-
-    def nbytes(self) -> int:
-        """Bytes of the blocks in use (scratch included): what the cache holds for the requests in flight."""
-        return (self.blocks.num_used() + 1) * self.block_bytes
-
-    def resident_bytes(self) -> int:
-        """Bytes of the blocks ever used: the part of the reserved pool that is resident memory."""
-        return (self.blocks.used_ever + 1) * self.block_bytes

@@ -24,8 +24,6 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.models.loader import gguf_source, read_config, resolve_model_dir
 from specserve.engine.verify import Drafts, Verifier, forward_inputs
-from specserve.sample.coupled import coupled_tokens
-from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode import ProposeInputs, TreeDraft, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
@@ -71,7 +69,9 @@ class LLMEngine:
         if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({model_config.max_position_embeddings})")
-        max_len = cfg.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = cfg.max_model_len or model_config.max_position_embeddings
+        if model_config.sliding_window:
+            self.max_model_len = min(self.max_model_len, model_config.sliding_window)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = device = resolve_device(device, cfg.tensor_parallel_size)
         # the speculative configuration is checked before any model or worker process loads
@@ -84,11 +84,11 @@ class LLMEngine:
             resolve_quantization(cfg.quantization, cfg.dtype, gguf_source(self.model_dir) is not None, device,
                                  cfg.tensor_parallel_size)
             self.runner = TPRunner(self.model_dir, cfg.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs,
-                                   cfg.num_threads, cfg.quantization, cfg.kv_cache_memory, max_len)
+                                   cfg.num_threads, cfg.quantization, cfg.kv_cache_memory, self.max_model_len)
         else:
             self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs,
                                       quantization=cfg.quantization, kv_cache_memory=cfg.kv_cache_memory,
-                                      max_model_len=max_len)
+                                      max_model_len=self.max_model_len)
         try:
             self._set_up(cfg)
         except BaseException:  # no worker process outlives a failed start
@@ -97,9 +97,6 @@ class LLMEngine:
 
     def _set_up(self, cfg: EngineConfig) -> None:
         self.model_config = self.runner.config
-        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
         eos = list(self.tokenizer.eos_token_ids or [])
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
@@ -133,17 +130,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
-        if len(prompt_ids) + 1 > self.scheduler.capacity:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.scheduler.capacity} "
-                             "positions (kv_cache_memory)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        gen = torch.Generator().manual_seed(seed)
-        seq = Sequence(next(self._ids), prompt, prompt_ids, params, gen, self.tokenizer, self.eos_ids,
+        seq = Sequence(next(self._ids), prompt, prompt_ids, params, seed, self.tokenizer, self.eos_ids,
                        self.max_model_len)
-        seq.seed = seed
         self.scheduler.add(seq)
         return seq
 
@@ -155,9 +147,7 @@ class LLMEngine:
             self.waiting.remove(seq)
         if seq in self.scheduler.prefilling:
             self.scheduler.prefilling.remove(seq)
-            self.runner.release_slot(seq.slot)
-            self.proposer.forget(seq)
-            seq.slot = -1
+            self._give_back(seq)
             seq._finish("abort")
         if seq in self.running:
             seq._finish("abort")
@@ -202,7 +192,8 @@ class LLMEngine:
                         break
                     group.append(s)
                     total += n
-            pieces = [sched.prefill_ids(s)[begin : begin + budget] for s in group]
+            group_ids = [ids] + [sched.prefill_ids(s) for s in group[1:]]
+            pieces = [x[begin : begin + budget] for x in group_ids]
             if not sched.fits([(s.slot, begin + len(p)) for s, p in zip(group, pieces)]):
                 break  # blocks are short: the decoding step preempts or frees some
             last = begin + len(pieces[0]) >= len(ids)
@@ -219,16 +210,12 @@ class LLMEngine:
                 self.stats.prefill_tokens += len(piece)
             if not last:
                 break  # a chunk of a long prompt took the budget
-            sb = SamplingBatch.build([s.params for s in group], [s.generator for s in group], out.logits.device)
-            tokens = sample(out.logits, sb).tolist()
-            for i, s in enumerate(group):
-                if self.verifier.coupled(s):  # the first output token's position-keyed draw
-                    tokens[i] = coupled_tokens(out.logits[i : i + 1], sb.subset([i]), s.seed, [len(s.prompt_ids)])[0]
-            for s, t in zip(group, tokens):
-                if self.prefix_caching:
-                    self.runner.register_prefix(s.slot, sched.prefill_ids(s), s.num_computed)
+            tokens = self.verifier.next_tokens(group, out.logits)
+            for s, x, t in zip(group, group_ids, tokens):
                 if not s.output_ids:  # a new sequence (a recomputed one decodes on from its last token)
                     s.append_tokens([t])
+                if self.prefix_caching:
+                    self.runner.register_prefix(s.slot, x, s.num_computed)
                 self._join(s)
                 joined.append(s)
         self.stats.prefill_s += time.perf_counter() - t0
@@ -264,11 +251,14 @@ class LLMEngine:
         if self.scheduler.reserve([s.num_computed + 1 + k for s, k in zip(self.running, budgets)]):
             return budgets
         while not self.scheduler.reserve([s.num_computed + 1 for s in self.running]):
-            s = self.scheduler.preempt()
-            self.runner.release_slot(s.slot)
-            self.proposer.forget(s)
-            s.slot = -1
+            self._give_back(self.scheduler.preempt())
         return [0] * len(self.running)
+
+    def _give_back(self, s: Sequence) -> None:
+        """``s`` leaves its slot (aborted or preempted): its blocks and the drafter's state for it go."""
+        self.runner.release_slot(s.slot)
+        self.proposer.forget(s)
+        s.slot = -1
 
     def _decode(self) -> None:
         """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
@@ -381,7 +371,7 @@ class LLMEngine:
             self.runner.release_slot(s.slot)
             last = self.running.pop()
             if last is not s:
-                self.runner.move_slot(last.slot, s.slot, last.num_computed)
+                self.runner.move_slot(last.slot, s.slot)
                 last.slot = s.slot
                 self.running[i] = last
             s.slot = -1

@@ -393,9 +393,9 @@ class ModelRunner:
         return ids.to(dev), pos.to(dev), ctx
 
     @torch.inference_mode()
-    def move_slot(self, src: int, dst: int, length: int = 0) -> None:
+    def move_slot(self, src: int, dst: int) -> None:
         """The sequence in slot ``src`` decodes in slot ``dst`` from now on (its blocks move)."""
-        self.kv.move(src, dst, length)
+        self.kv.move(src, dst)
 
     @torch.inference_mode()
     def compact(self, slot: int, src_idx: list[int], dst_start: int) -> None:

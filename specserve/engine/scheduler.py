@@ -11,8 +11,8 @@ Before each decoding step the running sequences get the blocks their step writes
 short, speculation backs off first (no drafts this step), then a prefilling request (it holds blocks
 and has produced nothing), then the most recently admitted running sequence is preempted: its blocks
 are given back and it waits at the head of the queue, to be recomputed (its prompt and output so far
-prefilled again) when blocks are free. Nothing fails for want of blocks: ``check_request`` refuses up
-front a request that could not fit even alone.
+prefilled again) when blocks are free. Nothing fails for want of blocks: the budget checked at start-up
+(``model_runner.kv_cache_blocks``) holds at least one sequence of ``max_model_len`` positions.
 
 The block counts are read from the driver's ``BlockManager`` (every tensor-parallel rank holds the
 same tables), so no step is sent to the workers that could run out of blocks on them.
@@ -34,11 +34,6 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet computed (in admission order)
         self.running: list[Sequence] = []  # slots 0..len-1, decoding
         self.num_preempted = 0
-
-    @property
-    def capacity(self) -> int:
-        """Positions the whole cache holds (scratch block excluded): the most one sequence can use."""
-        return (self.blocks.num_blocks - 1) * self.blocks.block_size
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

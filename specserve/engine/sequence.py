@@ -43,12 +43,13 @@ class RequestOutput:
 
 class Sequence:
     def __init__(self, seq_id: int, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator, tokenizer, eos_ids: list[int], max_model_len: int):
+                 seed: int, tokenizer, eos_ids: list[int], max_model_len: int):
         self.seq_id = seq_id
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed  # coupled sampling's key (``sample.coupled``)
+        self.generator = torch.Generator().manual_seed(seed)  # the rejection sampler's stream
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len

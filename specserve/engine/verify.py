@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sample.coupled import verify_chain_coupled, verify_tree_coupled
+from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
-from specserve.sample.sampler import SamplingBatch
+from specserve.sample.sampler import SamplingBatch, sample
 from specserve.sample.tree import verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode.proposer import TreeDraft
 
@@ -82,6 +82,23 @@ class Verifier:
 
     def coupled(self, s) -> bool:
         return self.sampling_mode == "coupled" and not s.params.greedy and self.lossy_verify is None
+
+    def next_tokens(self, seqs, logits: torch.Tensor) -> list[int]:
+        """One token per sequence from ``logits`` [B, V] (its next position's, no drafts: the first
+        token after a prefill): the position-keyed draw for coupled rows, plain sampling for the others."""
+        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+        tokens: list = [None] * len(seqs)
+        rows = []
+        for b, s in enumerate(seqs):
+            if self.coupled(s):
+                tokens[b] = coupled_tokens(logits[b : b + 1], sb.subset([b]), s.seed, [len(s.all_ids)])[0]
+            else:
+                rows.append(b)
+        if rows:
+            drawn = sample(logits[rows], sb.subset(rows) if len(rows) < len(seqs) else sb).tolist()
+            for b, t in zip(rows, drawn):
+                tokens[b] = t
+        return tokens
 
     def verify(self, seqs, drafts: Drafts, starts: list[int],
                logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from specserve.config import QUANTIZATION_NAMES
+from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
 
 EXIT_USAGE = 2
 # a chat turn like the drafters' held-out prompts; the shipped drafters accept a little less on it than
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
-    g.add_argument("--sampling-mode", choices=("coupled", "rejection"), default="coupled",
+    g.add_argument("--sampling-mode", choices=SAMPLING_MODES, default="coupled",
                    help="coupled (default): a seeded request gives plain decoding's tokens for that seed with any "
                         "drafter; rejection: vLLM's rejection sampler (exact in distribution)")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--sampling-mode", choices=("coupled", "rejection"), default="coupled",
+    b.add_argument("--sampling-mode", choices=SAMPLING_MODES, default="coupled",
                    help="how specserve rows sample at --temperature > 0 (default coupled: each request's tokens "
                         "are plain decoding's with its seed, so they are compared too)")
     b.add_argument("--threads", type=_positive_int, default=None,

@@ -30,8 +30,6 @@ import torch
 from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf
 from specserve.sample.tree import TreeBuffers
 
-SAMPLING_MODES = ("coupled", "rejection")
-
 _MASK = (1 << 64) - 1
 
 

@@ -57,12 +57,16 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.model_runner import synchronize
+from specserve.engine.model_runner import DTYPES, pack_linears, synchronize
+from specserve.layers import linear
+from specserve.layers.linear import PackedGEMM, mkldnn_packing_available
+from specserve.layers.quant import quantize
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, calibrated_scores,
                                               choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
                                               tree_profile_sizes)
-from specserve.spec_decode.dspark_model import calibrate_confidences
+from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+from specserve.spec_decode.dspark_model import DFlashDrafter, calibrate_confidences
 from specserve.spec_decode.ngram import graft, merge_branches, split_items
 from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
 
@@ -81,9 +85,6 @@ def resolve_draft_dtype(draft_dtype: str, target_dtype: torch.dtype, device, sta
     bfloat16 (the shipped drafters do) and the device runs bfloat16 GEMMs fast (``fast_bfloat16``), since
     running them in float32 adds bytes, not precision; else the target's dtype. The drafter only proposes
     and the target verifies every token, so its dtype moves acceptance, never the output."""
-    from specserve.engine.model_runner import DTYPES
-    from specserve.layers import linear
-
     if draft_dtype != "auto":
         return DTYPES[draft_dtype]
     stored = {t.dtype for t in state.values() if t.is_floating_point()}
@@ -107,10 +108,6 @@ def quantize_drafter(drafter: torch.nn.Module, scheme: str) -> None:
     embeddings stay dense: a lookup reads a few rows) by its ``scheme`` quantization in groups of 32
     columns, run by the weight-only kernels of ``layers.quant``; the float weights are freed. A layer
     whose input size is not a multiple of 32 (a small Markov rank) stays dense."""
-    from specserve.engine.model_runner import pack_linears
-    from specserve.layers.linear import PackedGEMM
-    from specserve.layers.quant import quantize
-
     bits = {"int8": 8, "int4": 4}[scheme]
     gemms = [m for m in drafter.modules()
              if isinstance(m, PackedGEMM) and m.weight.numel() and m.weight.shape[1] % 32 == 0]
@@ -137,9 +134,6 @@ class DSparkDraftWorker:
 
     def __init__(self, runner, model_path: str, markov_replicate: bool = True, draft_dtype: str = "auto",
                  draft_quantization: str = "auto"):
-        from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-        from specserve.spec_decode.dspark_model import DFlashDrafter
-
         cfg, sd = load_dspark_checkpoint(model_path, runner.config)
         self.cfg = cfg
         self.tp = runner.tp
@@ -151,9 +145,6 @@ class DSparkDraftWorker:
         self.drafter.to(self.device)
         self.drafter.fuse_projections()
         self.quantization = resolve_draft_quantization(draft_quantization, runner)
-        from specserve.engine.model_runner import pack_linears
-        from specserve.layers.linear import mkldnn_packing_available
-
         if self.quantization:
             quantize_drafter(self.drafter, self.quantization)
         elif getattr(runner, "packed", False) and mkldnn_packing_available(self.dtype):

@@ -42,7 +42,7 @@ def test_cache_grows_and_slot_moves(tiny_llama):
     r.forward(1, [long], [0], "none")
     bm = r.kv.blocks
     assert len(bm.tables[1]) == -(-len(long) // 16) == bm.num_used() and not bm.tables[0]
-    r.move_slot(1, 0, len(long))
+    r.move_slot(1, 0)
     assert len(bm.tables[0]) == 29 and not bm.tables[1]
     got = r.forward(0, [[3]], [len(long)], "last").logits
     ref = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
