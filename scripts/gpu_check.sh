@@ -28,7 +28,9 @@ fi
 if [[ $what == bench || $what == all ]]; then
   common=(--device cuda --dtype "${DTYPE:-float32}" --prompts "$prompts" --num-prompts "${NUM_PROMPTS:-20}" --max-tokens 128)
   timeout "${BENCH_TIMEOUT:-300}" $py -m specserve bench "${common[@]}" --json "$out/bench-t0.json" \
-    --methods "${METHODS:-none,hf,ngram,medusa,medusa-tree-dynamic,medusa-tree-64,dspark,dspark-auto,dspark-tree,dspark-tree-16,dspark-tree-32,dspark-tree-64}" \
+    --methods "${METHODS:-none,hf,ngram,medusa,medusa-tree-dynamic,dspark,dspark-auto,dspark-tree}" \
+    --speculative-config 'medusa-tree-64={"method": "medusa", "medusa_tree": 64}' \
+    --speculative-config 'dspark-tree-32={"method": "dspark", "dspark_tree": 32}' \
     2>&1 | tee "$out/bench-t0.log"
   rc=$((rc | PIPESTATUS[0]))
   timeout "${BENCH_TIMEOUT:-300}" $py -m specserve bench "${common[@]}" --json "$out/bench-t07.json" \

@@ -20,8 +20,9 @@ is one group of rows, each with its own ``none`` baseline; "auto" is the GGUF's 
 a .gguf (and the default model), dense weights for an HF directory. A row's ``quantization`` is what
 its weights are (null: dense) and ``weights`` the label the table shows (e.g. ``int8``, ``gguf Q4_1``).
 
-Speculative methods are added the same way, as ``SpecserveMethod(name, speculative_config={...})`` in
-``METHODS`` (or through ``register_method``); their acceptance metrics come from ``LLM.get_metrics()``.
+Speculative rows are ``SpecserveMethod(name, speculative_config)``: a named preset of ``PRESETS``, or any
+configuration named on the command line (``--speculative-config NAME=JSON``); their acceptance metrics
+come from ``LLM.get_metrics()``.
 
 Timing: every prompt is one request (batch size 1) timed from submission to its last token, prefill
 included, after one short warm-up generation per method. All methods are loaded first and the prompts
@@ -50,7 +51,6 @@ import importlib.util
 import inspect
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,10 +59,18 @@ from typing import Callable
 
 import torch
 
+from specserve import LLM, SamplingParams
 from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
+from specserve.device import DTYPES, resolve_device, resolve_dtype
+from specserve.engine.model_runner import resolve_quantization
 from specserve.models.gguf import read_gguf
-from specserve.models.loader import gguf_source
-from specserve.spec_decode.ngram import POOLED_BRANCHES
+from specserve.models.loader import default_gguf_path, gguf_source, read_config, resolve_model_dir
+from specserve.spec_decode.ngram.branches import POOLED_BRANCHES
+from specserve.tokenizer import Tokenizer
+from specserve.train.data import DataError, read_prompts_file
+from specserve.train.data import load_prompts as load_chitchat
+from specserve.train.instructions import load_instruction_prompts
+from specserve.train.sharegpt import load_sharegpt_prompts
 
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
 HELDOUT = "chitchat-heldout"  # --prompts value: the held-out split of the drafters' training prompts
@@ -80,18 +88,14 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
     """Prompts from a JSONL file (one object with a "prompt" field per line) or a plain text file (one
     prompt per line). Blank lines are skipped. ``None``: the built-in set."""
     if str(path) == HELDOUT:  # the chat prompts our drafters never saw in training
-        from specserve.train.data import load_prompts as load_chitchat
 
         return load_chitchat("heldout")
     if str(path) == INSTRUCTIONS_HELDOUT:  # the instruction prompts they never saw
-        from specserve.train.instructions import load_instruction_prompts
 
         return load_instruction_prompts("heldout")
-    from specserve.train.data import DataError, read_prompts_file
 
     try:
         if str(path) == SHAREGPT_HELDOUT:  # ShareGPT conversations held out of training
-            from specserve.train.sharegpt import load_sharegpt_prompts
 
             return load_sharegpt_prompts("heldout")
         return read_prompts_file(path if path is not None else BUILTIN_PROMPTS)
@@ -184,7 +188,6 @@ class SpecserveMethod:
 
 class SpecserveSession(Session):
     def __init__(self, ctx: BenchContext, speculative_config: dict | None):
-        from specserve import LLM
 
         super().__init__(ctx)
         kwargs = {"speculative_config": speculative_config} if speculative_config else {}
@@ -208,7 +211,6 @@ class SpecserveSession(Session):
             raise
 
     def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
-        from specserve import SamplingParams
 
         params = SamplingParams(temperature=self.ctx.temperature, max_tokens=n, seed=self.ctx.seed + i, top_p=1.0,
                                 top_k=-1, min_p=0.0)
@@ -281,7 +283,6 @@ class HFSession(Session):
             raise BenchError("method 'hf' needs HF transformers: pip install specserve[bench]") from None
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        from specserve.engine.model_runner import DTYPES
 
         if ctx.tensor_parallel_size > 1:
             raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
@@ -329,7 +330,6 @@ def model_gguf_path(model: str | os.PathLike | None) -> Path | None:
     """The GGUF file a model runs from: the default model's for None, ``model`` itself for a .gguf file,
     None for an HF directory (or anything else)."""
     if model is None:
-        from specserve.models.loader import default_gguf_path
 
         return default_gguf_path()
     p = Path(model).expanduser()
@@ -436,127 +436,95 @@ class LlamaCppSession(Session):
         super().close()
 
 
-# name -> factory
-METHODS: dict[str, Callable[[], object]] = {
-    "none": lambda: SpecserveMethod("none", None),
-    "hf": HFMethod,
-    "ngram": lambda: SpecserveMethod("ngram", {"method": "ngram", "num_speculative_tokens": 5,
-                                               "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
+POOL = POOLED_BRANCHES  # n-gram branches: 3 continuations of up to 12 tokens, also from earlier requests
+# the bench's named presets: row name -> ``speculative_config`` (None: plain decoding). Any other
+# configuration is a row of its own through ``--speculative-config NAME=JSON`` (``parse_configs``).
+PRESETS: dict[str, dict | None] = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
     # the heads shipped for the default model: chain (argmax of each head), a tree sized at start-up,
-    # chains cut per step, a tree chosen per step (all by the cost model)
-    "medusa": lambda: SpecserveMethod("medusa", {"method": "medusa"}),
-    "medusa-tree": lambda: SpecserveMethod("medusa-tree", {"method": "medusa", "medusa_tree": "auto"}),
-    "medusa-auto": lambda: SpecserveMethod("medusa-auto", {"method": "medusa", "medusa_verify": "auto"}),
-    "medusa-tree-dynamic": lambda: SpecserveMethod("medusa-tree-dynamic", {"method": "medusa", "medusa_tree": "auto",
-                                                                           "medusa_verify": "auto"}),
+    # chains cut per step, a tree chosen per step (all by the cost model), with n-gram branches
+    "medusa": {"method": "medusa"},
+    "medusa-tree": {"method": "medusa", "medusa_tree": "auto"},
+    "medusa-auto": {"method": "medusa", "medusa_verify": "auto"},
+    "medusa-tree-dynamic": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"},
+    "medusa-tree-dynamic-pool": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL},
     # the block drafters shipped for the default model (block 7), every draft verified
-    "dspark": lambda: SpecserveMethod("dspark", {"method": "dspark"}),
-    "dflash": lambda: SpecserveMethod("dflash", {"method": "dflash"}),
+    "dspark": {"method": "dspark"},
+    "dflash": {"method": "dflash"},
     # DSpark variants: verification length from the start-up cost model, or cut at a confidence
     # threshold; drafts sampled from the corrected distribution (for temperature > 0); the Markov head
     # sharded across tensor-parallel ranks instead of replicated (for the TP comparison)
-    "dspark-auto": lambda: SpecserveMethod("dspark-auto", {"method": "dspark", "dspark_verify": "auto"}),
-    "dspark-threshold": lambda: SpecserveMethod("dspark-threshold", {"method": "dspark", "dspark_verify": "threshold",
-                                                                     "confidence_threshold": 0.3}),
-    "dspark-prob": lambda: SpecserveMethod("dspark-prob", {"method": "dspark",
-                                                           "draft_sample_method": "probabilistic"}),
-    "dspark-sharded": lambda: SpecserveMethod("dspark-sharded", {"method": "dspark", "markov_replicate": False}),
-    # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth
-    "dspark-tree": lambda: SpecserveMethod("dspark-tree", {"method": "dspark", "dspark_tree": "auto"}),
-    "dflash-tree": lambda: SpecserveMethod("dflash-tree", {"method": "dflash", "dspark_tree": "auto"}),
-    # llama-cpp-python on the same GGUF (pip install llama-cpp-python==0.3.36)
-    LLAMACPP: LlamaCppMethod,
+    "dspark-auto": {"method": "dspark", "dspark_verify": "auto"},
+    "dspark-threshold": {"method": "dspark", "dspark_verify": "threshold", "confidence_threshold": 0.3},
+    "dspark-prob": {"method": "dspark", "draft_sample_method": "probabilistic"},
+    "dspark-sharded": {"method": "dspark", "markov_replicate": False},
+    # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth,
+    # with n-gram branches
+    "dspark-tree": {"method": "dspark", "dspark_tree": "auto"},
+    "dspark-tree-pool": {"method": "dspark", "dspark_tree": "auto", **POOL},
+    "dflash-tree": {"method": "dflash", "dspark_tree": "auto"},
+    "dflash-tree-pool": {"method": "dflash", "dspark_tree": "auto", **POOL},
+    # the block drafters' weights dense or in 4 bits (default: 8 bits beside a quantized target)
+    "dspark-draft-dense": {"method": "dspark", "draft_quantization": "none"},
+    "dspark-draft-int4": {"method": "dspark", "draft_quantization": "int4"},
+    "dflash-draft-dense": {"method": "dflash", "draft_quantization": "none"},
+    "dflash-draft-int4": {"method": "dflash", "draft_quantization": "int4"},
 }
+# the peers' rows: HF transformers, and llama-cpp-python on the same GGUF (pip install llama-cpp-python==0.3.36)
+PEERS: dict[str, Callable[[], object]] = {"hf": HFMethod, LLAMACPP: LlamaCppMethod}
 METHOD_ALIASES = {"llamacpp": LLAMACPP}
 
 
-def register_method(name: str, factory: Callable[[], object]) -> None:
-    METHODS[name] = factory
+def parse_configs(items: list[str] | dict | None) -> dict[str, dict]:
+    """``--speculative-config NAME=JSON`` items (or a ready dict) -> row name -> ``speculative_config``:
+    rows of any configuration, e.g. ``old={"method": "dspark", "model": "ck/old"}`` beside ``dspark``."""
+    if isinstance(items, dict):
+        return dict(items)
+    out: dict[str, dict] = {}
+    for item in items or []:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or not name or "," in name:
+            raise BenchError(f"--speculative-config takes NAME=JSON (a row name without commas), got {item!r}")
+        if name in PRESETS or name in PEERS or name in METHOD_ALIASES:
+            raise BenchError(f"--speculative-config: {name!r} is a preset's name; choose another")
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"--speculative-config {name}: not valid JSON ({e.msg})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
+            raise BenchError(f"--speculative-config {name}: a JSON object with a \"method\" is needed, got {text!r}")
+        out[name] = spec
+    return out
 
 
-DRAFTER_METHODS = ("medusa", "dspark", "dflash")  # the methods that load a drafter checkpoint
-SIZED_TREE = re.compile(r"(medusa|dspark|dflash)-tree-([1-9][0-9]*)")  # e.g. medusa-tree-64: 64 nodes, fixed
-TREE_OPTION = {"medusa": "medusa_tree", "dspark": "dspark_tree", "dflash": "dspark_tree"}
-
-
-# e.g. medusa-tree-dynamic-ngram: that method plus ``ngram_branch: 5``; -ngramK: ``ngram_branch: K``;
-# -pool / -poolK: also earlier requests' continuations, 3 candidates of 12 / K tokens
-NGRAM_SUFFIX = re.compile(r"(.+)-(ngram|pool)([1-9][0-9]*)?")
-NGRAM_SUFFIX_OPTIONS = {"ngram": {"ngram_branch": 5}, "pool": POOLED_BRANCHES}
-
-
-# e.g. dspark-draft-float32: that block-drafter method with its drafter run in float32 (draft_dtype);
-# -draft-int8 / -draft-int4 / -draft-dense: its weights in that quantization (draft_quantization)
-DRAFT_DTYPE_SUFFIX = re.compile(r"(.+)-draft-(float32|bfloat16|int8|int4|dense)")
-DRAFT_SUFFIX_OPTION = {"float32": ("draft_dtype", "float32"), "bfloat16": ("draft_dtype", "bfloat16"),
-                       "int8": ("draft_quantization", "int8"), "int4": ("draft_quantization", "int4"),
-                       "dense": ("draft_quantization", "none")}
-
-
-def method_factory(name: str) -> Callable[[], object] | None:
-    """The runner factory of a method name: one of ``METHODS``, ``{medusa,dspark,dflash}-tree-N`` (the
-    shipped drafter with trees of N nodes, whatever verifying N tokens costs here), or either with the
-    suffix ``-ngram`` (the n-gram continuation as one more branch of every draft: ``ngram_branch: 5``),
-    ``-ngramK`` (``ngram_branch: K``), ``-pool`` (3 continuations of up to 12 tokens, from the sequence
-    and from earlier requests: ``ngram_candidates: 3``, ``ngram_pool: true``) or ``-poolK``. A DSpark or
-    DFlash method may end in ``-draft-float32`` or ``-draft-bfloat16``: its drafter run in that dtype
-    (``draft_dtype``; default ``"auto"``), e.g. ``dspark-draft-float32`` beside ``dspark``, or in
-    ``-draft-int8``, ``-draft-int4`` or ``-draft-dense``: its weights quantized so or not at all
-    (``draft_quantization``; default ``"auto"``: 8 bits beside a quantized target). Any of the
-    drafter methods may end in ``@PATH``: the same with the drafter checkpoint at PATH instead of the
-    shipped one (``speculative_config["model"]``), e.g. ``dspark-tree-pool@my-drafter``, to compare
-    drafters side by side in one run."""
+def method_factory(name: str, configs: dict[str, dict] | None = None) -> Callable[[], object] | None:
+    """The runner factory of a row name: one of ``configs`` (``parse_configs``), ``PRESETS`` or ``PEERS``;
+    None for an unknown name."""
     name = METHOD_ALIASES.get(name, name)
-    if "@" in name:
-        base_name, path = name.split("@", 1)
-        base = method_factory(base_name) if path else None
-        spec = getattr(base(), "speculative_config", None) if base else None
-        if not spec or spec["method"] not in DRAFTER_METHODS:
-            return None  # plain decoding, HF and the n-gram drafter have no checkpoint
-        return lambda: SpecserveMethod(name, {**spec, "model": path})
-    if name in METHODS:
-        return METHODS[name]
-    m = DRAFT_DTYPE_SUFFIX.fullmatch(name)
-    if m:
-        base = method_factory(m.group(1))
-        spec = getattr(base(), "speculative_config", None) if base else None
-        key, value = DRAFT_SUFFIX_OPTION[m.group(2)]
-        if not spec or spec["method"] not in ("dspark", "dflash") or key in spec:
-            return None
-        return lambda: SpecserveMethod(name, {**spec, key: value})
-    m = SIZED_TREE.fullmatch(name)
-    if m:
-        method = m.group(1)
-        return lambda: SpecserveMethod(name, {"method": method, TREE_OPTION[method]: int(m.group(2))})
-    m = NGRAM_SUFFIX.fullmatch(name)
-    base = method_factory(m.group(1)) if m else None
-    if base is None:
-        return None
-    runner = base()
-    spec = getattr(runner, "speculative_config", None)
-    if (not spec or spec["method"] == "ngram" or "ngram_branch" in spec
-            or spec.get("draft_sample_method") == "probabilistic"):
-        return None  # plain decoding, HF, the n-gram drafter, a branch already there, sampled drafts
-    opts = dict(NGRAM_SUFFIX_OPTIONS[m.group(2)])
-    if m.group(3):
-        opts["ngram_branch"] = int(m.group(3))
-    return lambda: SpecserveMethod(name, {**spec, **opts})
+    if configs and name in configs:
+        return lambda: SpecserveMethod(name, dict(configs[name]))
+    if name in PEERS:
+        return PEERS[name]
+    if name in PRESETS:
+        spec = PRESETS[name]
+        return lambda: SpecserveMethod(name, dict(spec) if spec else None)
+    return None
 
 
-def parse_methods(spec: str | list[str]) -> list[str]:
+def parse_methods(spec: str | list[str], configs: dict[str, dict] | None = None) -> list[str]:
     names = [METHOD_ALIASES.get(m.strip(), m.strip())
              for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    names += [n for n in configs or {} if n not in names]  # a configured row runs without being listed
     if not names:
         raise BenchError("no methods given")
-    unknown = [m for m in names if method_factory(m) is None]
+    unknown = [m for m in names if method_factory(m, configs) is None]
     if unknown:
-        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; known methods: {', '.join(METHODS)}, "
-                         "{medusa,dspark,dflash}-tree-N (trees of N nodes), any drafter's name + "
-                         "'-ngram', '-ngramK' (an n-gram branch of 5 or K tokens), '-pool' or '-poolK' (3 branches, "
-                         "also from earlier requests), a DSpark/DFlash method + '-draft-float32' or "
-                         "'-draft-bfloat16' (its drafter's dtype) or '-draft-int8', '-draft-int4', '-draft-dense' "
-                         "(its drafter's weights), and a drafter method + '@PATH' (its drafter "
-                         f"checkpoint at PATH); {', '.join(METHOD_ALIASES)} = {', '.join(METHOD_ALIASES.values())}")
+        raise BenchError(f"unknown method(s) {', '.join(map(repr, unknown))}; presets: "
+                         f"{', '.join([*PRESETS, *PEERS])} ({', '.join(METHOD_ALIASES)} = "
+                         f"{', '.join(METHOD_ALIASES.values())}); any other configuration: "
+                         "--speculative-config NAME=JSON")
     names = list(dict.fromkeys(names))
     if "none" in names:
         names.remove("none")
@@ -564,7 +532,6 @@ def parse_methods(spec: str | list[str]) -> list[str]:
 
 
 def parse_dtypes(spec: str | list[str], device: str = "cpu") -> list[str]:
-    from specserve.engine.model_runner import DTYPES, resolve_dtype
 
     names = comma_list(spec)
     if not names:
@@ -587,18 +554,17 @@ def resolve_format(dtype: str, quantization: str | None, model=None, device: str
     runs on ``device``: the engine's own rules (``model_runner.resolve_quantization``: "auto" is a
     GGUF's own quantization unless float32 is asked for, dense for an HF directory; an "auto" dtype is
     bfloat16 for quantized weights), so that a row's label is what ran."""
-    from specserve.engine import model_runner as mr
 
-    if dtype != "auto" and dtype not in mr.DTYPES:
+    if dtype != "auto" and dtype not in DTYPES:
         raise BenchError(f"unknown dtype {dtype!r}; choose from auto, float32, bfloat16, float16")
     if quantization is not None and quantization not in QUANTIZATION_NAMES:
         raise BenchError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATION_NAMES)}")
     is_gguf = model_gguf_path(model) is not None
     try:
-        q = mr.resolve_quantization(quantization, dtype, is_gguf, device, tensor_parallel_size)
+        q = resolve_quantization(quantization, dtype, is_gguf, device, tensor_parallel_size)
     except ValueError as e:
         raise BenchError(f"--quantization {quantization}: {e}") from None
-    dt = mr.resolve_dtype("bfloat16" if q and dtype == "auto" else dtype, device)
+    dt = resolve_dtype("bfloat16" if q and dtype == "auto" else dtype, device)
     return str(dt).removeprefix("torch."), q
 
 
@@ -641,16 +607,15 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               dtypes: str | list[str] = "auto", threads: int | None = None, seed: int = 0,
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
               interleave: bool = True, device: str | None = "auto",
-              quantizations: str | list[str] = "auto", sampling_mode: str = "coupled") -> list[dict]:
+              quantizations: str | list[str] = "auto", sampling_mode: str = "coupled",
+              speculative_configs: list[str] | dict | None = None) -> list[dict]:
     """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
     quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
-    from specserve.models.loader import resolve_model_dir
-    from specserve.tokenizer import Tokenizer
 
     log = log or (lambda s: None)
-    names = parse_methods(methods)
-    runners = {n: method_factory(n)() for n in names}
-    from specserve.engine.model_runner import resolve_device
+    configs = parse_configs(speculative_configs)
+    names = parse_methods(methods, configs)
+    runners = {n: method_factory(n, configs)() for n in names}
 
     try:
         device = resolve_device(device, tensor_parallel_size)
@@ -689,7 +654,6 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         prompt_ids = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     else:
         prompt_ids = [tok.encode(t) for t in texts]
-    from specserve.models.loader import read_config
 
     cfg_eos = read_config(model_dir).eos_token_id
     cfg_eos = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])

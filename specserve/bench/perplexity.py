@@ -30,8 +30,13 @@ from pathlib import Path
 
 import torch
 
+from specserve import LLM
 from specserve.bench.harness import BenchError, comma_list, model_gguf_path
 from specserve.config import QUANTIZATION_NAMES
+from specserve.device import resolve_device
+from specserve.models.loader import resolve_model_dir
+from specserve.tokenizer import Tokenizer
+from specserve.train.data import DataError, is_heldout, load_conversations
 
 DEFAULT_TEXT = "chitchat-heldout"
 CONTEXT = 1024  # tokens per window
@@ -85,7 +90,6 @@ def parse_formats(spec: str | list[str] | None, model=None, device: str = "cpu")
 def heldout_chitchat_text(max_chars: int | None = None) -> str:
     """The held-out chitchat conversations as plain text (see the module docstring), stopping once
     ``max_chars`` characters are reached."""
-    from specserve.train.data import DataError, is_heldout, load_conversations
 
     try:
         convs = load_conversations()
@@ -177,10 +181,6 @@ def evaluate(model: str | None = None, formats: str | list[str] | None = None, t
              device: str | None = "auto", log: Callable[[str], None] | None = None) -> list[dict]:
     """One row per weight format: format, dtype and quantization that ran, perplexity, mean NLL, tokens
     scored, seconds of forwards (and of loading)."""
-    from specserve import LLM
-    from specserve.engine.model_runner import resolve_device
-    from specserve.models.loader import resolve_model_dir
-    from specserve.tokenizer import Tokenizer
 
     log = log or (lambda s: None)
     for flag, v, low in (("--max-tokens", max_tokens, 2), ("--context", context, 2), ("--chunk", chunk, 1)):

@@ -19,16 +19,14 @@ import time
 import torch
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_device, resolve_quantization
+from specserve.device import resolve_device
+from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_quantization
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
-from specserve.models.loader import gguf_source, read_config, resolve_model_dir
 from specserve.engine.verify import Drafts, Verifier, forward_inputs
-from specserve.sample.tree import TreeBuffers, TreeCache
-from specserve.spec_decode import ProposeInputs, TreeDraft, build_proposer
+from specserve.models.loader import gguf_source, read_config, resolve_model_dir
+from specserve.spec_decode import ProposeInputs, build_proposer
 from specserve.spec_decode.metrics import SpecMetrics
-from specserve.spec_decode.cost_model import sampling_key
-from specserve.spec_decode.ngram import BranchAcceptance, NgramPool, graft, ngram_candidates
 from specserve.tokenizer import Tokenizer
 
 
@@ -46,17 +44,10 @@ class EngineStats:
     decode_steps: int = 0
     draft_s: float = 0.0
     verified_tokens: int = 0
-    ngram_branch_tokens: int = 0
-    ngram_branch_wins: int = 0
     prefix_cached_tokens: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def path_tree(k: int) -> TreeBuffers:
-    """A chain of k drafts as a tree (root + a path of k nodes)."""
-    return TreeBuffers.from_parents([-1] + list(range(k)))
 
 
 class LLMEngine:
@@ -75,8 +66,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = device = resolve_device(device, cfg.tensor_parallel_size)
         # the speculative configuration is checked before any model or worker process loads
-        spec, self.branch_opts = split_ngram_branch(cfg.speculative)
-        self.proposer = build_proposer(spec)
+        self.proposer = build_proposer(cfg.speculative)
         if cfg.tensor_parallel_size > 1:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
@@ -101,9 +91,6 @@ class LLMEngine:
         cfg_eos = self.model_config.eos_token_id
         eos += [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
         self.eos_ids = list(dict.fromkeys(eos))
-        self._branch_trees = TreeCache.by_parents()  # grafted shapes recur
-        self.branch_acceptance = BranchAcceptance(self.ngram_branch) if self.ngram_branch else None
-        self.ngram_pool = NgramPool() if self.ngram_branch and self.branch_opts.pool else None
         self.proposer.load_model(self.runner)
         self.runner.reset_kv()  # the blocks of the start-up measurements are given back
         self.metrics = SpecMetrics()
@@ -235,19 +222,18 @@ class LLMEngine:
             s.slot = slot
         self.running.append(s)
 
-    def _draft_budget(self, s: Sequence, k: int | None = None) -> int:
-        """Drafts worth verifying for ``s`` (at most ``k``, default the proposer's): none past max_tokens
-        or max_model_len."""
-        k = self.proposer.num_speculative_tokens if k is None else k
+    def _room(self, s: Sequence) -> int:
+        """Draft tokens ``s`` has room for: none past max_tokens or max_model_len."""
+        k = self.max_model_len - len(s) - 1
         if s.params.max_tokens is not None:
             k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
-        return max(0, min(k, self.max_model_len - len(s) - 1))
+        return max(0, k)
 
     def _reserve_blocks(self) -> list[int]:
         """Draft budgets whose tokens the KV cache can hold this step: every sequence's full budget, or
         none (speculation backs off), preempting the most recently admitted sequences while even their
         last tokens do not fit."""
-        budgets = [self._draft_budget(s) for s in self.running]
+        budgets = [min(self.proposer.num_speculative_tokens, self._room(s)) for s in self.running]
         if self.scheduler.reserve([s.num_computed + 1 + k for s, k in zip(self.running, budgets)]):
             return budgets
         while not self.scheduler.reserve([s.num_computed + 1 for s in self.running]):
@@ -268,90 +254,47 @@ class LLMEngine:
         seqs = self.running
         if not seqs:
             return
-        drafts, matches = self._propose(seqs, budgets)
+        drafts = self._propose(seqs, budgets)
         batch = forward_inputs(seqs, drafts)
         out = self.runner.forward(0, batch.tokens, batch.starts, "all", aux_layers=self.proposer.aux_layers,
                                   tree_mask=batch.tree_mask, positions=batch.positions,
                                   return_hidden=self.proposer.needs_hidden)
         results = self.verifier.verify(seqs, drafts, batch.starts, out.logits)
-        self._commit(seqs, drafts, batch, out, results, matches)
+        self._commit(seqs, drafts, batch, out, results)
         self.stats.verified_tokens += sum(len(t) for t in batch.tokens)
         self.stats.decode_steps += 1
         self.stats.decode_s += time.perf_counter() - t0
 
-    def _propose(self, seqs, budgets: list[int]) -> tuple[Drafts, list]:
-        """The drafter's chains or trees within ``budgets``, with n-gram branches grafted in where the
-        engine adds them, every random row as a tree under an opt-in lossy rule, and no drafts where a
-        tree needs more KV blocks than are free. Also returns each row's n-gram matches."""
-        matches = self._ngram_matches(seqs) if self.ngram_branch else [[] for _ in seqs]
-        planned = self.proposer.plans_branches and self.ngram_branch
+    def _propose(self, seqs, budgets: list[int]) -> Drafts:
+        """The drafter's chains or trees within ``budgets``; no drafts where a tree needs more KV blocks
+        than are free."""
         if not any(budgets):
-            return Drafts.none(len(seqs)), matches
-        branches = [[self.branch_acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned else None
+            return Drafts.none(len(seqs))
         t_draft = time.perf_counter()
-        prop = self.proposer.propose(ProposeInputs(seqs, budgets, branches))
+        prop = self.proposer.propose(ProposeInputs(seqs, budgets, [self._room(s) for s in seqs]))
         self.stats.draft_s += time.perf_counter() - t_draft
         chains = [list(c[:m]) for c, m in zip(prop.chains, budgets)]
-        trees = prop.trees if prop.has_trees else [None] * len(seqs)
-        drafts = Drafts(chains, trees, prop.draft_probs, prop.own_nodes or [None] * len(seqs))
-        lossy = self.proposer.lossy_verify is not None
-        if self.ngram_branch and not planned and prop.draft_probs is None and not lossy:
-            grafted = [graft(t, s.output_ids[-1], c, [toks for toks, _ in m], self._branch_trees)
-                       for s, c, t, m in zip(seqs, chains, trees, matches)]  # whole branches below the drafter's
-            drafts = Drafts(chains, [g[0] for g in grafted], None, [g[1] for g in grafted])
-        self.stats.ngram_branch_tokens += sum(len(t.tokens) - o for t, o in zip(drafts.trees, drafts.own_nodes)
-                                              if o is not None)
-        if lossy:  # opt-in lossy acceptance: every random row as a tree
-            drafts.trees = [t if t is not None or s.params.greedy else TreeDraft([s.output_ids[-1]] + c,
-                                                                                path_tree(len(c)))
-                            for s, c, t in zip(seqs, chains, drafts.trees)]
+        drafts = Drafts(chains, prop.trees if prop.has_trees else [None] * len(seqs), prop.draft_probs)
         if drafts.has_trees and not self.scheduler.reserve(
                 [s.num_computed + n for s, n in zip(seqs, drafts.tokens_per_row())]):
-            return Drafts.none(len(seqs)), matches  # trees larger than the blocks reserved: no drafts
-        return drafts, matches
+            return Drafts.none(len(seqs))  # trees larger than the blocks reserved: no drafts
+        return drafts
 
-    def _commit(self, seqs, drafts: Drafts, batch, out, results, matches) -> None:
+    def _commit(self, seqs, drafts: Drafts, batch, out, results) -> None:
         """Append each sequence's emitted tokens; tell the drafter what was accepted and the target
-        features of the positions kept; update the metrics and the n-gram branch statistics."""
+        features of the positions kept; update the metrics."""
         emitted_total = 0
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
             self.metrics.record(drafts.depth(b), accepted)
-            own = accepted
-            if drafts.own_nodes and drafts.own_nodes[b] is not None:  # the drafter's nodes: a prefix of any path
-                own = sum(1 for i in kept_idx[1:] if i < drafts.own_nodes[b])
-                self.stats.ngram_branch_wins += own < accepted
-            self.proposer.verified(s, own)
+            self.proposer.verified(s, emitted, kept_idx)
             s.num_computed = batch.starts[b] + 1 + accepted
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
                                       [a[b, idx] for a in out.aux], reset=False)
-            for toks, key in matches[b]:
-                self.branch_acceptance.observe(key, toks, emitted)
             emitted_total += s.append_tokens(emitted)
         self.stats.decode_tokens += emitted_total
-
-    @property
-    def ngram_branch(self) -> int:
-        """Tokens per n-gram branch (0: no branches)."""
-        return self.branch_opts.tokens
-
-    def _ngram_matches(self, seqs) -> list[list[tuple[list[int], tuple]]]:
-        """``ngram_branch``: each sequence's n-gram continuations, (tokens, ``branch_acceptance`` key:
-        sampling setting, matched n, rank) each, from the sequence itself and from ``ngram_pool`` (earlier
-        requests), offered as more branches of the drafter's chain or tree. The drafters miss on different
-        tokens: chat answers repeat words of the prompt, of themselves and of earlier answers, which a
-        trained drafter often does not predict. Verification stays lossless (deterministic drafts,
-        one-hot rule), whichever wins."""
-        out = []
-        for s in seqs:
-            k = self._draft_budget(s, self.ngram_branch)
-            ids = torch.tensor(s.all_ids, dtype=torch.long)
-            found = ngram_candidates(ids, k, self.branch_opts.candidates, self.ngram_pool) if k else []
-            key = sampling_key(s.params)
-            out.append([(toks, (key, n, r)) for r, (toks, n) in enumerate(found)])
-        return out
 
     def get_metrics(self) -> dict:
         return self.metrics.as_dict()
@@ -364,8 +307,6 @@ class LLMEngine:
                 i += 1
                 continue
             self.proposer.forget(s)
-            if self.ngram_pool is not None:
-                self.ngram_pool.add(s.all_ids)
             if self.prefix_caching:  # its committed blocks serve later requests with the same prefix
                 self.runner.register_prefix(s.slot, s.all_ids, s.num_computed)
             self.runner.release_slot(s.slot)
@@ -380,34 +321,3 @@ class LLMEngine:
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
 
-
-@dataclasses.dataclass(frozen=True)
-class NgramBranchOptions:
-    """The engine's n-gram branches (``speculative_config`` keys): ``ngram_branch`` tokens per branch
-    (0: none), ``ngram_candidates`` branches per step (distinct continuations), ``ngram_pool``: also
-    match earlier requests' tokens, not only the sequence's own."""
-
-    tokens: int = 0
-    candidates: int = 1
-    pool: bool = False
-
-
-def split_ngram_branch(spec) -> tuple[object, NgramBranchOptions]:
-    """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``). The options belong
-    to the engine, not to a drafter."""
-    keys = ("ngram_branch", "ngram_candidates", "ngram_pool")
-    if spec is None or not any(k in spec.options for k in keys):
-        return spec, NgramBranchOptions()
-    opts = dict(spec.options)
-    k, cands, pool = opts.pop("ngram_branch", 0), opts.pop("ngram_candidates", 1), opts.pop("ngram_pool", False)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32:
-        raise ValueError(f"ngram_branch must be an int in 0..32 (n-gram draft tokens per step), got {k!r}")
-    if isinstance(cands, bool) or not isinstance(cands, int) or not 1 <= cands <= 8:
-        raise ValueError(f"ngram_candidates must be an int in 1..8 (n-gram branches per step), got {cands!r}")
-    if not isinstance(pool, bool):
-        raise ValueError(f"ngram_pool must be true or false, got {pool!r}")
-    if not k and ("ngram_candidates" in spec.options or pool):
-        raise ValueError("ngram_candidates and ngram_pool need ngram_branch (tokens per branch) > 0")
-    if spec.method == "ngram" and k:
-        raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
-    return dataclasses.replace(spec, options=opts), NgramBranchOptions(k, cands, pool)

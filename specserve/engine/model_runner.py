@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import threading
 import time
@@ -22,57 +21,17 @@ from pathlib import Path
 import torch
 
 from specserve.config import QUANTIZATIONS, ModelConfig
+from specserve.device import resolve_device, resolve_dtype, synchronize
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import BLOCK_SIZE, KVCache
 from specserve.layers import cpu_ops
-from specserve.layers.attention import Attention, ForwardContext
+from specserve.layers.attention import ForwardContext
 from specserve.layers.embed_head import VocabParallelEmbedding
-from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
-from specserve.layers.quant import PendingQuant, QuantTensor, quantize, rows_invariant
+from specserve.layers.linear import PackedGEMM, mkldnn_packing_available
+from specserve.layers.packing import make_batch_invariant, pack_linears
+from specserve.layers.quant import PendingQuant, QuantTensor, quantize
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import gguf_source, iter_weights, load_weights, read_config
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(device: str | None = "auto", tensor_parallel_size: int = 1) -> str:
-    """``auto`` (or None): ``$SPECSERVE_DEVICE`` if set, else ``cuda`` when a GPU is visible and the model
-    runs in one process (tensor parallelism runs gloo worker processes on CPU), else ``cpu``. An
-    explicit ``cuda`` / ``cuda:N`` without a usable GPU is an error, not a silent fall-back."""
-    if device in (None, "auto"):
-        device = os.environ.get("SPECSERVE_DEVICE") or (
-            "cuda" if tensor_parallel_size == 1 and torch.cuda.is_available() else "cpu")
-    device = str(device)
-    if device == "cpu":
-        return device
-    if not re.fullmatch(r"cuda(:\d+)?", device):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU "
-                         f"(torch {torch.__version__}; use device='cpu' or 'auto')")
-    index = int(device.split(":")[1]) if ":" in device else 0
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
-    return device
-
-
-def synchronize(device) -> None:
-    """Wait for the device's queued work (timings of GPU work need it; a no-op on CPU)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """``auto``: bfloat16 on GPUs, float32 on CPUs. In float32 a forward over k tokens differs from k
-    one-token forwards by ~5e-5 in the logits (default model), too little to move greedy tokens in
-    practice. "bfloat16" on CPU halves the weight bytes; there the forwards are made batch-invariant
-    (``make_batch_invariant``) so that verifying a chain or a tree reproduces one-token decoding."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        return DTYPES[dtype]
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device: str = "cpu",
@@ -146,14 +105,6 @@ def quantize_weights(model: torch.nn.Module, scheme: str) -> None:
         p.data = torch.empty(0, dtype=p.dtype)
 
 
-def pack_linears(module: torch.nn.Module) -> None:
-    """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
-    costs little more than one token's (call after the weights are loaded)."""
-    for m in module.modules():
-        if isinstance(m, PackedGEMM):
-            m.pack()
-
-
 KV_MEMORY_SHARE = 0.25  # kv_cache_memory=None: at most this share of the machine's memory
 
 
@@ -182,48 +133,59 @@ def kv_cache_blocks(kv_cache_memory: float | None, max_num_seqs: int, max_model_
     return blocks
 
 
-ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count from 2 up to this
+def measure_step_costs(forward, device, sizes: list[int], reps: int = 3) -> dict[int, float]:
+    """Seconds of one target ``forward`` that appends ``n`` tokens to a 128-token context, for each n,
+    measured on the running device in slot 0 before any request runs. Every size runs once untimed
+    first (a new shape's first call creates its kernels), then the sizes are timed in turn, ``reps``
+    rounds, so that a slow spell of a shared machine touches all of them alike rather than a few
+    (whose costs the monotonic pass below would then carry up to every larger size); each size keeps
+    its fastest run, as noise only ever adds time."""
+    ctx = 128
+    forward(0, [[0] * ctx], [0], "none")
+    for n in sizes:
+        forward(0, [[0] * n], [ctx], "all")
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
+            synchronize(device)
+            t0 = time.perf_counter()
+            forward(0, [[0] * n], [ctx], "all")
+            synchronize(device)
+            times[n].append(time.perf_counter() - t0)
+    out = {n: min(ts) for n, ts in times.items()}
+    # a cost curve must not decrease with n (noise): make it monotonic
+    run = 0.0
+    for n in sorted(out):
+        run = max(run, out[n])
+        out[n] = run
+    return out
 
 
-def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) -> None:
-    """Make every linear, LM head and attention of ``module`` give each token the same bits whatever
-    else shares the forward (CPU, bfloat16, packed weights): verifying a chain or a tree of k tokens then
-    reproduces k one-token steps, so greedy speculative decoding gives plain decoding's tokens in
-    bfloat16 as it does in float32. GEMMs run in blocks of at most ``row_block`` rows (exact by
-    construction: each row's bits are the kernel's for any row count from 2 up to 32); a lone row gets a
-    zero row beside it where a probe at load time (``lone_row_differs``, one per weight shape) finds that
-    one row alone takes a kernel that sums in another order (on CPUs without AMX: the default model's
-    1536-wide down projection); attention runs in float64 (``Attention.forward``). Costs extra GEMM calls
-    for forwards over more than ``row_block`` rows (prefill, trees over 32 nodes, batches), and the
-    float64 attention ~5% of a decoding step."""
-    probed: dict[tuple, bool] = {}
-    for m in module.modules():
-        if isinstance(m, PackedGEMM) and m.qkernel is not None:
-            # weight-only kernels never split the input dimension: rows are exact at any count (probed
-            # once per kernel kind and shape); were a kernel not, its rows would run one at a time
-            k = m.qkernel
-            key = (k.key, m.bias is not None)
-            if key not in probed:
-                probed[key] = rows_invariant(lambda x: m.dense_matmul(x, m.bias), k.in_features)
-            if not probed[key]:
-                m.row_block, m.pad_lone_row = 1, False
-        elif isinstance(m, PackedGEMM):
-            m.row_block = row_block
-            m.pad_lone_row = _lone_row_differs(m, probed)
-        elif isinstance(m, Attention):
-            m.float64 = True
+class DraftTargetView:
+    """What a drafter sees of the target (``spec_decode.target.DraftTarget``), for ``ModelRunner`` and
+    ``TPRunner`` alike: its embedding, LM head and logits, the full LM head weight, and step costs."""
 
+    @property
+    def embed_tokens(self):
+        return self.model.model.embed_tokens
 
-def _lone_row_differs(m: PackedGEMM, probed: dict) -> bool:
-    """``lone_row_differs`` for the GEMM of linear or LM head ``m`` (with and without its bias), probed
-    once per weight shape."""
-    w = m.packed if m.packed is not None else m.weight  # a packed weight keeps its logical shape
-    bias = m.bias
-    fns = [m.dense_matmul] + ([lambda x: m.dense_matmul(x, bias)] if bias is not None else [])
-    key = (tuple(w.shape), w.dtype, m.packed is not None, bias is not None)
-    if key not in probed:
-        probed[key] = any(lone_row_differs(fn, w.shape[1], w.dtype) for fn in fns)
-    return probed[key]
+    @property
+    def lm_head(self):
+        return self.model.lm_head
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def full_lm_head_weight(self) -> torch.Tensor:
+        """The full (unsharded) LM head weight, read from the checkpoint (float)."""
+        name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        for n, t in iter_weights(self.model_dir):
+            if n == name:
+                return t
+        raise ValueError(f"{name} not found in the target checkpoint")
+
+    def step_costs(self, sizes: list[int], reps: int = 3) -> dict[int, float]:
+        return measure_step_costs(self.forward, self.device, sizes, reps)
 
 
 @dataclass
@@ -233,7 +195,7 @@ class StepOutput:
     aux: list | None = None  # outputs of the requested layers, all new positions [B, Q, d]
 
 
-class ModelRunner:
+class ModelRunner(DraftTargetView):
     def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
                  pack_weights: bool = True, quantization: str | None = "auto", kv_cache_memory: float | None = None,
                  max_model_len: int | None = None):
@@ -474,7 +436,7 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel worker failed or died: the group cannot go on (create a new ``LLM``)."""
 
 
-class TPRunner:
+class TPRunner(DraftTargetView):
     """Driver side of a ``tensor_parallel_size`` > 1 run: rank 0 lives here, ranks 1.. in processes.
     Every call to the workers runs with Ctrl-C deferred (``sigint_deferred``); a worker that dies is
     reported with its exit code and last error, and the runner refuses further calls."""

@@ -13,20 +13,23 @@ import torch
 from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
 from specserve.sample.sampler import SamplingBatch, sample
-from specserve.sample.tree import verify_tree_greedy, verify_tree_sample
+from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode.proposer import TreeDraft
+
+
+def path_tree(k: int) -> TreeBuffers:
+    """A chain of k drafts as a tree (root + a path of k nodes)."""
+    return TreeBuffers.from_parents([-1] + list(range(k)))
 
 
 @dataclass
 class Drafts:
     """What one step verifies, one entry per running sequence: its chain of drafts, or its tree (the
-    root is its last token); the draft distributions of sampled chains; for trees with n-gram branch
-    nodes, how many nodes are the drafter's own (a prefix of the tree's node order)."""
+    root is its last token); the draft distributions of sampled chains."""
 
     chains: list[list[int]]
     trees: list[TreeDraft | None]
     draft_probs: torch.Tensor | None = None
-    own_nodes: list[int | None] | None = None
 
     @classmethod
     def none(cls, n: int) -> "Drafts":
@@ -108,8 +111,11 @@ class Verifier:
         results: list = [None] * len(seqs)
         chain_rows = []
         for b, s in enumerate(seqs):
-            if drafts.trees[b] is not None:
-                results[b] = self._tree(b, s, drafts.trees[b], logits, sb, starts[b])
+            tree = drafts.trees[b]
+            if tree is None and self.lossy_verify is not None and not s.params.greedy:  # the lossy rule: trees
+                tree = TreeDraft([s.output_ids[-1]] + drafts.chains[b], path_tree(len(drafts.chains[b])))
+            if tree is not None:
+                results[b] = self._tree(b, s, tree, logits, sb, starts[b])
             elif self.coupled(s):
                 emitted = verify_chain_coupled(drafts.chains[b], logits[b], sb.subset([b]), s.seed, len(s.all_ids))
                 results[b] = (emitted, list(range(len(emitted))))

@@ -10,7 +10,12 @@ import os
 import sys
 import time
 
+from specserve import LLM, SamplingParams, __version__
+from specserve.bench import perplexity
+from specserve.bench.harness import PRESETS, format_table, main_log, run_bench, write_json
 from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
+from specserve.models.gguf import convert
+from specserve.spec_decode.ngram.branches import POOLED_BRANCHES as DEMO_BRANCHES
 
 EXIT_USAGE = 2
 # a chat turn like the drafters' held-out prompts; the shipped drafters accept a little less on it than
@@ -198,10 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "outputs are identical to plain decoding.")
     _add_model_args(b, "auto | float32 | bfloat16 | float16, or a comma list to run each", quantization="list")
     b.add_argument("--methods", default="none,hf",
-                   help="comma list of methods (default none,hf); 'none' (the baseline) always runs; "
-                        "medusa-tree-N / dspark-tree-N / dflash-tree-N: the shipped drafter with trees of N "
-                        "nodes; llama.cpp (or llamacpp): llama-cpp-python on the same .gguf, same prompt ids and "
-                        "threads (pip install llama-cpp-python==0.3.36), with a 'vs llama.cpp' column")
+                   help="comma list of rows (default none,hf): presets (" + ", ".join(PRESETS) + "), peers "
+                        "(hf; llama.cpp: llama-cpp-python on the same .gguf, same prompt ids and threads, pip "
+                        "install llama-cpp-python==0.3.36, with a 'vs llama.cpp' column) and the names of "
+                        "--speculative-config rows; 'none' (the baseline) always runs")
+    b.add_argument("--speculative-config", action="append", default=[], metavar="NAME=JSON",
+                   help="one more row named NAME with this speculative_config, e.g. "
+                        "'old={\"method\": \"dspark\", \"model\": \"ck/old\"}' (repeatable)")
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
                         "'chitchat-heldout' / 'instructions-heldout' / 'sharegpt-heldout' (the held-out splits "
@@ -397,7 +405,6 @@ DSPARK_SHAPE_OPTIONS = ("num_layers", "block_size", "markov_rank", "markov_head_
 
 def _version() -> str:
     try:
-        from specserve import __version__
 
         return __version__
     except Exception:
@@ -416,7 +423,6 @@ def _stream(llm, prompt, params, out=sys.stdout) -> tuple[float, object]:
 
 
 def cmd_generate(args) -> int:
-    from specserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
@@ -452,7 +458,6 @@ def cmd_convert(args) -> int:
     src = Path(args.gguf)
     if not src.is_file():
         raise CLIError(f"no such file: {args.gguf}")
-    from specserve.models.gguf import convert
 
     out = convert(src, args.out_dir)
     files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
@@ -461,9 +466,9 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specserve.bench.harness import format_table, main_log, run_bench, write_json
 
-    rows = run_bench(model=args.model, methods=args.methods, prompts_file=args.prompts, num_prompts=args.num_prompts,
+    rows = run_bench(model=args.model, methods=args.methods, speculative_configs=args.speculative_config,
+                     prompts_file=args.prompts, num_prompts=args.num_prompts,
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
                      tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
@@ -483,21 +488,20 @@ def cmd_bench(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from specserve.bench.harness import main_log, write_json
-    from specserve.bench.perplexity import evaluate, format_table
 
     formats = args.formats
     if args.dtype is not None or args.quantization is not None:
         if formats is not None:
             raise CLIError("give --formats, or --dtype/--quantization for one format, not both")
         formats = [f"{args.dtype or 'auto'}+{args.quantization or 'none'}"]
-    rows = evaluate(model=args.model, formats=formats, text=args.text, max_tokens=args.max_tokens,
-                    threads=args.threads, context=args.context, chunk=args.chunk, device=args.device, log=main_log)
+    rows = perplexity.evaluate(model=args.model, formats=formats, text=args.text, max_tokens=args.max_tokens,
+                               threads=args.threads, context=args.context, chunk=args.chunk, device=args.device,
+                               log=main_log)
     r0 = rows[0]
     where = f"{r0['threads']} threads" if r0["device"] == "cpu" else r0["device"]
     print(f"perplexity on {r0['text']}: {r0['tokens']} tokens scored in windows of {r0['context']} "
           f"({r0['chunk']} tokens a forward), {where}; seconds = the forwards, loading excluded")
-    print(format_table(rows), flush=True)
+    print(perplexity.format_table(rows), flush=True)
     if args.json:
         write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")
@@ -507,9 +511,7 @@ def cmd_perplexity(args) -> int:
 def cmd_demo(args) -> int:
     """Plain decoding, then lossless Medusa and DSpark drafting, on the same chat prompt: same text,
     tokens/s and mean acceptance length (tau) of each."""
-    from specserve import LLM, SamplingParams
 
-    from specserve.spec_decode.ngram import POOLED_BRANCHES as DEMO_BRANCHES
 
     params = SamplingParams(temperature=0.0, max_tokens=96)
     runs = [("plain decoding", None),

@@ -12,9 +12,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
+from safetensors import safe_open
 
 from specserve.config import ModelConfig, cache_root
 from specserve.layers.linear import ShapeMismatch, default_weight_loader
@@ -141,31 +142,76 @@ def read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_INDEX = "pytorch_model.bin.index.json"
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+
+def weight_files(d: Path, patterns=("*.safetensors",), indexes=(SAFETENSORS_INDEX,)) -> list[Path]:
+    """The weight files of directory ``d``: the shards the first index present lists (each must exist),
+    else the files of the first glob pattern that matches any; [] when there are none."""
+    for name in indexes:
+        index = d / name
+        if index.is_file():
+            shards = sorted(set((read_json_object(index).get("weight_map") or {}).values()))
+            missing = [n for n in shards if not (d / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{index}: shard(s) {', '.join(missing)} missing")
+            return [d / n for n in shards]
+    for pattern in patterns:
+        files = sorted(d.glob(pattern))
+        if files:
+            return files
+    return []
+
+
+def iter_tensors(f: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one weights file, ``.safetensors`` (tensors read one at a time) or a torch state
+    dict (loaded with ``weights_only``), those whose name ``keep`` accepts. A file that cannot be read
+    raises ``CheckpointError`` naming it."""
+    f = Path(f)
+    if f.suffix != ".safetensors":
+        try:
+            obj = torch.load(str(f), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{f}: cannot load with torch.load(weights_only=True): {e}") from e
+        if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in obj.items()):
+            raise CheckpointError(f"{f}: expected a state dict (name -> tensor)")
+        yield from ((k, v) for k, v in obj.items() if keep is None or keep(k))
+        return
+    try:
+        sf = safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors' own error type: a header that is not one
+        raise CheckpointError(f"{f}: not a valid safetensors file ({str(e).splitlines()[0][:120]})") from None
+    with sf:
+        for name in sf.keys():
+            if keep is not None and not keep(name):
+                continue
+            try:
+                t = sf.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{f}: tensor {name!r} cannot be read ({str(e).splitlines()[0][:120]})") \
+                    from None
+            yield name, t
+
+
+def read_tensors(files: list[Path], keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` (``iter_tensors``) in one dict; a name in two files is an error."""
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in iter_tensors(f, keep):
+            if name in out:
+                raise CheckpointError(f"{Path(f).parent}: tensor {name!r} appears in more than one file")
+            out[name] = t
+    return out
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = weight_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {model_dir}")
     for f in files:
-        if not (model_dir / f).exists():
-            raise CheckpointError(f"weights file {f} listed in the index is missing from {model_dir}")
-        try:
-            sf = safe_open(str(model_dir / f), framework="pt")
-        except Exception as e:  # safetensors' own error type: a header that is not one
-            raise CheckpointError(f"{f}: not a valid safetensors file ({str(e).splitlines()[0][:120]})") from None
-        with sf:
-            for name in sf.keys():
-                try:
-                    t = sf.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{f}: tensor {name!r} cannot be read ({str(e).splitlines()[0][:120]})") \
-                        from None
-                yield name, t
+        yield from iter_tensors(f)
 
 
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:

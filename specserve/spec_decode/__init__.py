@@ -5,22 +5,26 @@ from __future__ import annotations
 from specserve.spec_decode.dspark import DFlashProposer, DSparkProposer
 from specserve.spec_decode.medusa import MedusaProposer
 from specserve.spec_decode.ngram import NgramProposer
-from specserve.spec_decode.proposer import NoProposer, Proposal, Proposer, ProposeInputs, TreeDraft
+from specserve.spec_decode.ngram.branches import NgramBranches, split_ngram_branch
+from specserve.spec_decode.proposer import NoProposer, Proposal, ProposeInputs, Proposer, TreeDraft
 
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer,
                                          "dspark": DSparkProposer, "dflash": DFlashProposer}
 
 
 def build_proposer(spec) -> Proposer:
-    """``spec``: a ``SpeculativeConfig`` or None."""
+    """``spec``: a ``SpeculativeConfig`` or None. N-gram branch keys wrap the drafter in
+    ``NgramBranches``."""
     if spec is None:
         return NoProposer()
+    spec, branch_opts = split_ngram_branch(spec)
     if spec.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {spec.method!r}; known: {', '.join(sorted(PROPOSERS))}")
     try:
-        return PROPOSERS[spec.method](**spec.proposer_kwargs())
+        proposer = PROPOSERS[spec.method](**spec.proposer_kwargs())
     except TypeError as e:  # an option the drafter does not take
         raise ValueError(f"speculative_config for {spec.method!r}: {e}") from None
+    return NgramBranches(proposer, branch_opts) if branch_opts.tokens else proposer
 
 
 __all__ = ["PROPOSERS", "build_proposer", "NoProposer", "Proposal", "Proposer", "ProposeInputs", "TreeDraft"]

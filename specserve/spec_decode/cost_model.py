@@ -15,11 +15,7 @@ cannot change which tokens are accepted: lossless.
 
 from __future__ import annotations
 
-import time
-
 import torch
-
-from specserve.engine.model_runner import synchronize
 
 
 def interp_cost(cost: dict[int, float], n: int) -> float:
@@ -57,35 +53,6 @@ def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[
     ``TREE_SIZES`` below it (the cost curve bends most where one tree's size is chosen)."""
     batch_sizes, sizes = profile_sizes(max_batch, max_nodes)
     return batch_sizes, sorted(set(sizes) | {m + 1 for m in TREE_SIZES if m < max_nodes})
-
-
-def measure_step_costs(target, sizes: list[int], reps: int = 3) -> dict[int, float]:
-    """Seconds of one target forward that appends ``n`` tokens to a 128-token context, for each n,
-    measured on the running device in slot 0 before any request runs. Every size runs once untimed
-    first (a new shape's first call creates its kernels), then the sizes are timed in turn, ``reps``
-    rounds, so that a slow spell of a shared machine touches all of them alike rather than a few
-    (whose costs the monotonic pass below would then carry up to every larger size); each size keeps
-    its fastest run, as noise only ever adds time."""
-    ctx = 128
-    device = target.device
-    target.forward(0, [[0] * ctx], [0], "none")
-    for n in sizes:
-        target.forward(0, [[0] * n], [ctx], "all")
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(reps):
-        for n in sizes:
-            synchronize(device)
-            t0 = time.perf_counter()
-            target.forward(0, [[0] * n], [ctx], "all")
-            synchronize(device)
-            times[n].append(time.perf_counter() - t0)
-    out = {n: min(ts) for n, ts in times.items()}
-    # a cost curve must not decrease with n (noise): make it monotonic
-    run = 0.0
-    for n in sorted(out):
-        run = max(run, out[n])
-        out[n] = run
-    return out
 
 
 def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: float = 0.0) -> list[int]:

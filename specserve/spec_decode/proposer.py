@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.spec_decode.target import DraftTarget
+
 
 @dataclass
 class TreeDraft:
@@ -38,13 +40,16 @@ class Proposal:
 
 @dataclass
 class ProposeInputs:
-    """What a proposer may look at: the running sequences and how many drafts each may propose at
-    most. Target features arrive earlier, through ``Proposer.observe``. ``branches``: for a proposer
-    that ``plans_branches``, each sequence's n-gram branches (a list of ``ngram.BranchDraft``, maybe
-    empty) to weigh with its own drafts."""
+    """What a proposer may look at: the running sequences, how many drafts each may propose at most
+    (``max_drafts``: within the drafter's ``num_speculative_tokens``) and how many draft tokens each
+    has room for at all (``room``: before its max_tokens or max_model_len). Target features arrive
+    earlier, through ``Proposer.observe``. ``branches``: for a proposer that ``plans_branches``, each
+    sequence's n-gram branches (a list of ``tree_select.BranchDraft``, maybe empty) to weigh with its
+    own drafts."""
 
     seqs: list
     max_drafts: list[int]
+    room: list[int] | None = None
     branches: list | None = None
 
 
@@ -61,12 +66,12 @@ class Proposer:
     # an "auto" mode's online correction of its predicted acceptance
     # (``specserve.spec_decode.cost_model.AcceptanceCalibration``), or None
     calibration = None
-    # whether propose() itself chooses which tokens of ``ProposeInputs.branches`` (the engine's
-    # ``ngram_branch``) to verify, with its cost model; otherwise the engine adds whole branches
+    # whether propose() itself chooses which tokens of ``ProposeInputs.branches`` (n-gram branches,
+    # ``ngram.branches``) to verify, with its cost model; otherwise whole branches are grafted in
     plans_branches = False
 
-    def load_model(self, target) -> None:
-        """Attach to the target ``ModelRunner`` (share its embedding/lm_head, read its config)."""
+    def load_model(self, target: DraftTarget) -> None:
+        """Attach to the target (``target.DraftTarget``: its embedding, LM head, config, step costs)."""
 
     def observe(self, seq, last_hidden: torch.Tensor | None, aux: list[torch.Tensor], reset: bool) -> None:
         """Called after every forward that kept positions of ``seq`` in the cache: ``last_hidden`` [d]
@@ -77,12 +82,12 @@ class Proposer:
     def forget(self, seq) -> None:
         """``seq`` finished: drop any state kept for it."""
 
-    def verified(self, seq, accepted: int) -> None:
-        """Called after every verification of ``seq``'s drafts: ``accepted`` of them were accepted (the
-        outcome of a step whose tokens are now emitted; a drafter may learn from it for later steps).
-        This one feeds the drafter's ``calibration``, if it has one."""
+    def verified(self, seq, emitted: list[int], kept: list[int]) -> None:
+        """Called after every verification of ``seq``'s drafts: the step emitted ``emitted`` (the
+        accepted drafts and one target token) and kept the draft positions ``kept`` (node indices, the
+        root first). A drafter may learn from it for later steps; this one feeds its ``calibration``."""
         if self.calibration is not None:
-            self.calibration.observe(seq.seq_id, accepted)
+            self.calibration.observe(seq.seq_id, len(emitted) - 1)
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         return Proposal([[] for _ in inputs.seqs])

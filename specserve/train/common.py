@@ -166,7 +166,8 @@ FEATURE_DTYPES = ("float32", "bfloat16")
 def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
     When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
-    from specserve.engine.model_runner import DTYPES, ModelRunner
+    from specserve.device import DTYPES
+    from specserve.engine.model_runner import ModelRunner
 
     runner = llm.engine.runner
     want = DTYPES[dtype]

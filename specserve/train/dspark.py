@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.rotary import apply_rotary
-from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES, DFlashDrafter, DSparkConfig, draft_target_ids
+from specserve.spec_decode.dspark.model import MARKOV_HEAD_TYPES, DFlashDrafter, DSparkConfig, draft_target_ids
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
                                     check_num_prompts, decode_section, eval_prompt_count, evaluated_by,
                                     extra_phrase, extra_record, feature_runner, fingerprint, keep_num_threads,
@@ -891,7 +891,7 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
     grow_from = None  # init_from with draft_vocab_size: the loaded draft vocabulary (target ids), to grow
     try:
         if args.eval_only or args.init_from is not None:
-            from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+            from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 
             path = args.out if args.eval_only else args.init_from
             cfg_sd = load_dspark_checkpoint(path, tcfg)

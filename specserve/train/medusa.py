@@ -350,7 +350,7 @@ def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_l
 
 
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
-    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+    from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 
     run = start_run(args)
     t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
@@ -378,7 +378,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     V = cfg_t.vocab_size
     vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
     if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
-        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+        from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 
         mcfg, sd = load_medusa_checkpoint(args.out, cfg_t.hidden_size, V)
         heads = MedusaHeads(mcfg, dtype=torch.float32)

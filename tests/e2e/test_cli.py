@@ -44,7 +44,8 @@ def test_generate_chat_answers_paris():
 
 @pytest.mark.parametrize("args, expected", [
     (["generate", "--model", "/nonexistent/model-dir", "--prompt", "hi"], "/nonexistent/model-dir"),
-    (["bench", "--methods", "none,nope"], "known methods: none, hf, ngram"),
+    (["bench", "--methods", "none,nope"], "unknown method(s) 'nope'; presets: none, ngram, medusa"),
+    (["bench", "--speculative-config", "x={oops"], "--speculative-config x: not valid JSON"),
     (["generate", "--prompt", "hi", "--speculative-method", "nope"], "unknown speculative method 'nope'"),
 ])
 def test_user_errors_exit_2_without_traceback(args, expected):
@@ -139,18 +140,20 @@ def test_demo_in_bfloat16_gives_plain_decodings_text():
 
 
 def test_bench_drafter_checkpoint_by_path(tmp_path):
-    """``dspark@PATH`` runs the drafter at PATH: here the shipped DFlash drafter through the dspark
-    method, which accepts what the ``dflash`` row accepts, not what the shipped DSpark drafter does."""
-    from specserve.spec_decode.dspark import SHIPPED_DIR
+    """A ``--speculative-config`` row runs the drafter at its ``model``: here the shipped DFlash drafter
+    through the dspark method, which accepts what the ``dflash`` row accepts, not what the shipped
+    DSpark drafter does."""
+    from specserve.spec_decode.dspark.proposer import SHIPPED_DIR
 
     ck = SHIPPED_DIR / "dflash-smollm2-135m"
     out = tmp_path / "bench.json"
-    r = specserve("bench", "--methods", f"dspark,dflash,dspark@{ck}", "--prompts", "chitchat-heldout",
+    r = specserve("bench", "--methods", "dspark,dflash", "--prompts", "chitchat-heldout",
+                  "--speculative-config", "by-path=" + json.dumps({"method": "dspark", "model": str(ck)}),
                   "--num-prompts", "2", "--max-tokens", "32", "--dtype", "float32", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = {row["method"]: row for row in json.loads(out.read_text())}
     assert all(row["identical_to_none"] is True for row in rows.values())
-    by_path = rows[f"dspark@{ck}"]
+    by_path = rows["by-path"]
     for key in ("acceptance_rate_per_position", "mean_acceptance_length", "num_draft_tokens"):
         assert by_path[key] == rows["dflash"][key], key
     assert by_path["acceptance_rate_per_position"] != rows["dspark"]["acceptance_rate_per_position"]

@@ -5,7 +5,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers.linear import fast_bfloat16, mkldnn_packing_available
-from specserve.spec_decode.ngram import POOLED_BRANCHES
+from specserve.spec_decode.ngram.branches import POOLED_BRANCHES
 
 pytestmark = pytest.mark.slow
 

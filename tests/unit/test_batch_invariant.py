@@ -4,7 +4,9 @@ alone or verified with others (in a chain, in a tree, beside another sequence, o
 import pytest
 import torch
 
-from specserve.engine.model_runner import ROW_BLOCK, ModelRunner
+from specserve.layers.packing import ROW_BLOCK
+
+from specserve.engine.model_runner import ModelRunner
 from specserve.layers.linear import PackedGEMM, in_row_blocks, lone_row_differs, mkldnn_packing_available
 from specserve.sample.tree import TreeBuffers
 

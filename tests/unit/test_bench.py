@@ -6,60 +6,42 @@ from typing import ClassVar
 import pytest
 
 
-def test_bench_sized_tree_rows():
-    from specserve.bench.harness import BenchError, method_factory, parse_methods
+def test_bench_presets_are_a_plain_table():
+    from specserve.bench.harness import PRESETS, BenchError, method_factory, parse_methods
 
-    assert parse_methods("medusa-tree-64,none") == ["none", "medusa-tree-64"]
-    row = method_factory("medusa-tree-64")()
-    assert row.name == "medusa-tree-64"
-    assert row.speculative_config == {"method": "medusa", "medusa_tree": 64}
-    assert method_factory("dspark-tree-12")().speculative_config == {"method": "dspark", "dspark_tree": 12}
-    assert method_factory("dflash-tree-3")().speculative_config == {"method": "dflash", "dspark_tree": 3}
-    for bad in ("medusa-tree-0", "medusa-tree-", "medusa-tree-x", "medusa-tree-064", "ngram-tree-4"):
-        with pytest.raises(BenchError, match=r"\{medusa,dspark,dflash\}-tree-N"):
-            parse_methods(bad)
-
-
-def test_bench_ngram_suffix_adds_the_branch_to_drafters_only():
-    from specserve.bench.harness import BenchError, method_factory, parse_methods
-
-    row = method_factory("medusa-tree-dynamic-ngram")()
-    assert row.name == "medusa-tree-dynamic-ngram"
-    assert row.speculative_config == {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto",
-                                      "ngram_branch": 5}
-    assert method_factory("dspark-tree-12-ngram")().speculative_config == {"method": "dspark", "dspark_tree": 12,
-                                                                             "ngram_branch": 5}
-    assert method_factory("dspark-auto-ngram")().speculative_config["dspark_verify"] == "auto"
-    assert method_factory("medusa-ngram12")().speculative_config == {"method": "medusa", "ngram_branch": 12}
+    assert parse_methods("dspark-tree-pool,none") == ["none", "dspark-tree-pool"]
+    row = method_factory("dspark-tree-pool")()
+    assert row.name == "dspark-tree-pool"
     pool = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
-    want = {"method": "dspark", "dspark_tree": "auto", **pool}
-    assert method_factory("dspark-tree-pool")().speculative_config == want
-    assert method_factory("medusa-pool8")().speculative_config == {"method": "medusa", **pool, "ngram_branch": 8}
-    for bad in ("none-ngram", "hf-ngram", "ngram-ngram", "dspark-prob-ngram", "medusa-ngram-ngram", "-ngram",
-                "medusa-ngram0", "medusa-ngram-5", "medusa-ngram5-ngram", "medusa-pool-ngram", "none-pool"):
-        with pytest.raises(BenchError, match="unknown method"):
+    assert row.speculative_config == {"method": "dspark", "dspark_tree": "auto", **pool}
+    assert method_factory("medusa-tree-dynamic-pool")().speculative_config == {
+        "method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **pool}
+    assert method_factory("dflash-draft-int4")().speculative_config == {"method": "dflash",
+                                                                        "draft_quantization": "int4"}
+    assert method_factory("none")().speculative_config is None
+    row.speculative_config["model"] = "x"  # a row's config is its own copy
+    assert "model" not in PRESETS["dspark-tree-pool"]
+    for bad in ("medusa-tree-64", "dspark-tree-12-ngram", "dspark@ck", "medusa-pool8", "dspark-draft-float32"):
+        with pytest.raises(BenchError, match="unknown method.*--speculative-config NAME=JSON"):
             parse_methods(bad)
 
 
-def test_bench_draft_dtype_suffix_sets_the_block_drafters_dtype():
-    from specserve.bench.harness import BenchError, method_factory, parse_methods
+def test_bench_speculative_config_rows():
+    """``--speculative-config NAME=JSON``: a row of any configuration, e.g. another drafter checkpoint
+    beside the shipped one."""
+    from specserve.bench.harness import BenchError, method_factory, parse_configs, parse_methods
 
-    assert method_factory("dspark-draft-float32")().speculative_config == {"method": "dspark",
-                                                                           "draft_dtype": "float32"}
-    pool = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
-    assert method_factory("dspark-tree-pool-draft-float32")().speculative_config == {
-        "method": "dspark", "dspark_tree": "auto", **pool, "draft_dtype": "float32"}
-    assert method_factory("dflash-draft-bfloat16@prev")().speculative_config == {
-        "method": "dflash", "draft_dtype": "bfloat16", "model": "prev"}
-    assert method_factory("dspark-tree-pool-draft-int4")().speculative_config == {
-        "method": "dspark", "dspark_tree": "auto", **pool, "draft_quantization": "int4"}
-    assert method_factory("dflash-draft-float32-draft-dense")().speculative_config == {
-        "method": "dflash", "draft_dtype": "float32", "draft_quantization": "none"}
-    for bad in ("medusa-draft-float32", "ngram-draft-float32", "none-draft-float32", "dspark-draft-int2",
-                "dspark-draft-float32-draft-bfloat16", "dspark-draft-int8-draft-int4", "medusa-draft-int8",
-                "-draft-float32"):
-        with pytest.raises(BenchError, match="unknown method"):
-            parse_methods(bad)
+    configs = parse_configs(['old={"method": "dspark", "model": "ck/a", "dspark_tree": 12}',
+                             'big={"method": "medusa", "medusa_tree": 64}'])
+    assert configs["old"] == {"method": "dspark", "model": "ck/a", "dspark_tree": 12}
+    assert parse_methods("dspark,old", configs) == ["none", "dspark", "old", "big"]  # configured rows run
+    row = method_factory("old", configs)()
+    assert row.name == "old" and row.speculative_config == configs["old"]
+    for bad, why in (("old", "NAME=JSON"), ("=x", "NAME=JSON"), ("a,b={}", "NAME=JSON"),
+                     ("dspark={\"method\": \"dspark\"}", "preset's name"), ("x={oops", "not valid JSON"),
+                     ("x=[1]", "method"), ('x={"model": "m"}', "method")):
+        with pytest.raises(BenchError, match=why):
+            parse_configs([bad])
 
 
 def test_bench_interleaves_methods_prompt_by_prompt():
@@ -123,22 +105,6 @@ def test_bench_heldout_prompt_sets():
     assert not set(instr) & set(load_instruction_prompts("train"))
 
 
-def test_bench_drafter_checkpoint_suffix():
-    """``METHOD@PATH``: a drafter method with the checkpoint at PATH, for drafter methods only."""
-    from specserve.bench.harness import BenchError, method_factory, parse_methods
-
-    assert parse_methods("dspark-tree-pool@ck/a,dspark") == ["none", "dspark-tree-pool@ck/a", "dspark"]
-    row = method_factory("dspark-tree-pool@ck/a")()
-    assert row.name == "dspark-tree-pool@ck/a"
-    assert row.speculative_config == {"method": "dspark", "dspark_tree": "auto", "ngram_branch": 12,
-                                      "ngram_candidates": 3, "ngram_pool": True, "model": "ck/a"}
-    assert method_factory("medusa-tree-16@x@y")().speculative_config == {"method": "medusa", "medusa_tree": 16,
-                                                                         "model": "x@y"}
-    for bad in ("none@x", "hf@x", "ngram@x", "dspark@", "@x", "nothing@x"):
-        with pytest.raises(BenchError, match="unknown method"):
-            parse_methods(bad)
-
-
 # ---- weight formats, the llama.cpp row ----------------------------------------------------------------
 def test_bench_llamacpp_method_names():
     """``llama.cpp`` and its alias ``llamacpp`` name one row; it takes no drafter suffixes."""
@@ -177,8 +143,7 @@ def test_bench_weight_formats_are_dtype_by_quantization_pairs(tmp_path):
 
 def test_cli_quantization_flags_reach_the_engine(monkeypatch):
     """``--quantization`` on generate, bench, demo and perplexity: parsed, "none" -> None, passed on."""
-    import specserve
-    from specserve.bench import harness, perplexity
+    from specserve.bench import perplexity
     from specserve.entrypoints import cli
 
     parse = cli.build_parser().parse_args
@@ -201,7 +166,7 @@ def test_cli_quantization_flags_reach_the_engine(monkeypatch):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(specserve, "LLM", fake_llm)
+    monkeypatch.setattr(cli, "LLM", fake_llm)
     with pytest.raises(Stop):
         cli.cmd_generate(parse(["generate", "--prompt", "hi", "--quantization", "none"]))
     assert "quantization" in seen and seen["quantization"] is None
@@ -213,7 +178,7 @@ def test_cli_quantization_flags_reach_the_engine(monkeypatch):
         seen["bench"] = kw
         raise Stop
 
-    monkeypatch.setattr(harness, "run_bench", fake_bench)
+    monkeypatch.setattr(cli, "run_bench", fake_bench)
     with pytest.raises(Stop):
         cli.cmd_bench(parse(["bench", "--quantization", "none,int4", "--dtype", "float32,bfloat16"]))
     assert (seen["bench"]["quantizations"], seen["bench"]["dtypes"]) == ("none,int4", "float32,bfloat16")
@@ -236,14 +201,13 @@ def test_bench_llamacpp_missing_package_fails_before_loading(monkeypatch, capsys
 
     from specserve.bench import harness
     from specserve.entrypoints import cli
-    from specserve.models import loader
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
 
     def must_not_load(*a, **k):
         raise AssertionError("loaded something before the check")
 
-    monkeypatch.setattr(loader, "resolve_model_dir", must_not_load)
+    monkeypatch.setattr(harness, "resolve_model_dir", must_not_load)
     monkeypatch.setattr(harness, "SpecserveSession", must_not_load)
     with pytest.raises(harness.BenchError) as e:
         harness.run_bench(methods="none,llamacpp", dtypes="float32", quantizations="none")
@@ -378,7 +342,6 @@ def test_bench_run_with_a_llamacpp_row(fake_llama_cpp, monkeypatch, tmp_path):
     from conftest import write_tiny_tokenizer
 
     from specserve.bench import harness
-    from specserve.models import loader
 
     model_dir = tmp_path / "dir"
     model_dir.mkdir()
@@ -387,8 +350,8 @@ def test_bench_run_with_a_llamacpp_row(fake_llama_cpp, monkeypatch, tmp_path):
     gguf.write_bytes(b"GGUF")
     prompts = tmp_path / "p.txt"
     prompts.write_text("w1 w2\nw3 w4 w5\n")
-    monkeypatch.setattr(loader, "resolve_model_dir", lambda m: model_dir)
-    monkeypatch.setattr(loader, "read_config", lambda d: types.SimpleNamespace(eos_token_id=0))
+    monkeypatch.setattr(harness, "resolve_model_dir", lambda m: model_dir)
+    monkeypatch.setattr(harness, "read_config", lambda d: types.SimpleNamespace(eos_token_id=0))
     seen = []
 
     class PlainSession(harness.Session):
@@ -406,7 +369,7 @@ def test_bench_run_with_a_llamacpp_row(fake_llama_cpp, monkeypatch, tmp_path):
         def start(self, ctx):
             return PlainSession(ctx)
 
-    monkeypatch.setitem(harness.METHODS, "none", Plain)
+    monkeypatch.setitem(harness.PEERS, "none", Plain)  # a peer's name is looked up first
     rows = harness.run_bench(model=str(gguf), methods="llamacpp", prompts_file=str(prompts), max_tokens=4,
                              dtypes="float32", quantizations="none", threads=2)
     (dtype, quant, ids), = seen

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.model_runner import resolve_device, resolve_dtype
+from specserve.device import resolve_device, resolve_dtype
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without a GPU")
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.dspark_model import DSparkConfig, expected_state_shapes
+from specserve.spec_decode.dspark.model import DSparkConfig, expected_state_shapes
 
 from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_walk
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup
 from specserve.models.loader import CheckpointError
-from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-from specserve.spec_decode.dspark_model import (
+from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
+from specserve.spec_decode.dspark.model import (
     ConfidenceHead,
     DFlashDrafter,
     DSparkConfig,
@@ -646,7 +646,7 @@ def test_fused_projections_draft_as_unfused(attention_bias, packed):
     """What the drafting worker runs (``fuse_projections``, then oneDNN packing on a CPU) drafts what the
     drafter as loaded drafts: the same block hidden states (within float rounding), tokens and
     confidences, with and without attention biases (which the fused GEMMs must carry)."""
-    from specserve.engine.model_runner import pack_linears
+    from specserve.layers.packing import pack_linears
     from specserve.layers.linear import mkldnn_packing_available
 
     if packed and not mkldnn_packing_available(torch.float32):

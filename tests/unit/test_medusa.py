@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.spec_decode.cost_model import MAX_PROFILED_TOKENS
-from specserve.spec_decode.medusa import expected_tokens, greedy_tree
-from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+from specserve.spec_decode.medusa.proposer import expected_tokens, greedy_tree
+from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 
 from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_walk
 

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.models.loader import CheckpointError
-from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
-from specserve.spec_decode.medusa_heads import MedusaHeads
+from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
+from specserve.spec_decode.medusa.model import MedusaHeads
 
 D, V, K = 16, 37, 3
 

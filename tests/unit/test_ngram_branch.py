@@ -8,9 +8,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.engine.llm_engine import NgramBranchOptions, split_ngram_branch
-from specserve.spec_decode.ngram import (BranchAcceptance, BranchDraft, NgramPool, add_branch, merge_branches,
-                                         ngram_candidates, split_items)
+from specserve.spec_decode.ngram.branches import BranchAcceptance, NgramBranchOptions, split_ngram_branch
+from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
+from specserve.spec_decode.tree_select import BranchDraft, add_branch, merge_branches, split_items
 
 from test_dspark import write_random_drafter
 from test_medusa import make_heads
@@ -136,8 +136,8 @@ POOLED = {"ngram_branch": 6, "ngram_candidates": 3, "ngram_pool": True}
 def _verify_all(llm):
     """A planned drafter on a cost curve where verifying costs the same for any node count: it takes
     every candidate and every branch node (on measured costs what it takes varies from run to run)."""
-    if llm.engine.proposer.plans_branches:
-        llm.engine.proposer.verify_costs = {1: 1.0, 4096: 1.0}
+    if llm.engine.proposer.inner.plans_branches:
+        llm.engine.proposer.inner.verify_costs = {1: 1.0, 4096: 1.0}
     return llm
 
 
@@ -165,12 +165,12 @@ def test_greedy_identical_to_plain_and_the_branch_wins_steps(tiny_llama, tmp_pat
     without = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec)
     branch = {"ngram_branch": branch} if isinstance(branch, int) else branch
     with_branch = _verify_all(LLM(model=str(tiny_llama), dtype="float32", speculative_config={**spec, **branch}))
-    assert with_branch.engine.proposer.plans_branches == (kind in PLANNED)
+    assert with_branch.engine.proposer.inner.plans_branches == (kind in PLANNED)
     for llm in (without, with_branch):
         assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
-    st = with_branch.engine.stats
-    assert st.ngram_branch_tokens > 0 and st.ngram_branch_wins > 0, st
-    assert without.engine.stats.ngram_branch_tokens == 0
+    st = with_branch.engine.proposer
+    assert st.branch_tokens > 0 and st.branch_wins > 0, (st.branch_tokens, st.branch_wins)
+    assert not hasattr(without.engine.proposer, "branch_tokens")
     # a tiny random model repeats itself: the n-gram branch adds accepted tokens to random drafters'
     assert with_branch.get_metrics()["mean_acceptance_length"] > without.get_metrics()["mean_acceptance_length"]
 
@@ -182,10 +182,10 @@ def test_rows_that_skip_drafting_still_verify_their_branches(tiny_llama, tmp_pat
              LLM(model=str(tiny_llama), dtype="float32").generate(REPETITIVE, params, use_tqdm=False)]
     spec = {**_drafter("dspark-tree-auto", tiny_llama, tmp_path), **POOLED}
     llm = _verify_all(LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec))
-    llm.engine.proposer.gate.skip = lambda seq_id: True  # the gate never lets a request draft
+    llm.engine.proposer.inner.gate.skip = lambda seq_id: True  # the gate never lets a request draft
     assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
-    st = llm.engine.stats
-    assert st.ngram_branch_tokens > 0 and st.ngram_branch_wins > 0, st
+    st = llm.engine.proposer
+    assert st.branch_tokens > 0 and st.branch_wins > 0, (st.branch_tokens, st.branch_wins)
     assert llm.get_metrics()["mean_acceptance_length"] > 1.2
 
 
@@ -201,7 +201,7 @@ def test_the_pool_offers_earlier_requests_continuations(tiny_llama, tmp_path):
         for _ in range(2):  # the second time, the pool holds the first answers
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
         taus[pool] = llm.get_metrics()["mean_acceptance_length"]
-        assert (llm.engine.ngram_pool is not None) == pool and len(llm.engine.ngram_pool or ()) == 6 * pool
+        assert (llm.engine.proposer.pool is not None) == pool and len(llm.engine.proposer.pool or ()) == 6 * pool
     assert taus[True] > taus[False] + 0.5, taus
 
 
@@ -213,6 +213,6 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, kind, 
                            speculative_config={**_drafter(kind, small_vocab_model, tmp_path), **branch}))
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(spec, 2000, 100_000, k=5)
-    st = spec.engine.stats
-    assert st.ngram_branch_tokens > 100 and st.ngram_branch_wins > 20, st  # the branch really played
+    st = spec.engine.proposer
+    assert st.branch_tokens > 100 and st.branch_wins > 20, (st.branch_tokens, st.branch_wins)  # it played
     assert_same_distribution(a, b)

@@ -10,7 +10,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.model_runner import ModelRunner
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy
 from specserve.spec_decode import PROPOSERS, Proposal, Proposer, TreeDraft
-from specserve.spec_decode.ngram import ngram_propose
+from specserve.spec_decode.ngram.proposer import ngram_propose
 
 PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
 

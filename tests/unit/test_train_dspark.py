@@ -33,7 +33,7 @@ def _tcfg(num_layers=3, heads=4, kv=2):
 
 
 def _random_drafter(markov_rank=8, head_type="vanilla", num_layers=2, block=4, layer_ids=(0, 1), seed=0):
-    from specserve.spec_decode.dspark_model import DFlashDrafter
+    from specserve.spec_decode.dspark.model import DFlashDrafter
 
     cfg = drafter_config(_tcfg(), num_layers=num_layers, block_size=block, layer_ids=list(layer_ids),
                          mask_token_id=49, markov_rank=markov_rank, markov_head_type=head_type)
@@ -67,7 +67,7 @@ def test_default_target_layer_ids():
 def test_training_forward_equals_proposer_block_forward(head_type):
     """Every block of the packed training forward (many anchors and sequences, padding) gives the
     slot states and Markov-corrected logits of the proposer's per-block forward over a DraftCache."""
-    from specserve.spec_decode.dspark_model import draft_block
+    from specserve.spec_decode.dspark.model import draft_block
 
     d = _random_drafter(head_type=head_type).eval()
     G, V = d.cfg.block_size, d.cfg.vocab_size
@@ -145,8 +145,8 @@ def _greedy_identical(model_dir: Path, drafter: Path, method: str) -> dict:
 def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     from safetensors import safe_open
 
-    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-    from specserve.spec_decode.dspark_model import DFlashDrafter
+    from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
+    from specserve.spec_decode.dspark.model import DFlashDrafter
     from specserve.train.dspark import DSparkTrainArgs, train_dspark
 
     out = tmp_path / "dspark"
@@ -231,7 +231,7 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
 
 def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     from specserve.entrypoints.cli import main
-    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
+    from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 
     out = tmp_path / "dflash"
     argv = ["train", "dspark", "--model", str(tiny_llama), "--out", str(out), "--prompts", str(tiny_prompts),
@@ -358,8 +358,8 @@ def test_grow_draft_vocab_moves_rows_with_their_tokens(tiny_llama, tiny_prompts,
     from safetensors.torch import load_file
 
     from specserve.entrypoints.cli import main
-    from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-    from specserve.spec_decode.dspark_model import DFlashDrafter
+    from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
+    from specserve.spec_decode.dspark.model import DFlashDrafter
     from specserve.train.common import select_draft_vocab
     from specserve.train.dspark import draft_vocab_ids, grow_draft_vocab
 

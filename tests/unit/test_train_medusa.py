@@ -22,7 +22,7 @@ HAVE_CHITCHAT = importlib.util.find_spec("chitchat_dataset") is not None
 def _load_heads(out: Path):
     from safetensors.torch import load_file
 
-    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+    from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 
     cfg = json.loads((out / "config.json").read_text())
     mcfg = MedusaConfig(**{f.name: cfg[f.name] for f in fields(MedusaConfig)})
@@ -47,7 +47,7 @@ def test_examples_align_head_k_with_token_t_plus_k_plus_2():
 
 def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     from specserve.engine.model_runner import ModelRunner
-    from specserve.spec_decode.medusa_heads import MedusaHeads
+    from specserve.spec_decode.medusa.model import MedusaHeads
     from specserve.train.medusa import (MedusaTrainArgs, compute_hidden_states, evaluate_heads, target_lm_head,
                                         train_medusa)
 
@@ -72,8 +72,8 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     readme = (out / "README.md").read_text()
     for s in ("Held-out accuracy", "Seed:** 0", "Time taken", str(tiny_prompts), "| 0 | t+2 |"):
         assert s in readme, s
-    if importlib.util.find_spec("specserve.spec_decode.medusa_formats") is not None:  # the engine's loader
-        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+    if importlib.util.find_spec("specserve.spec_decode.medusa.formats") is not None:  # the engine's loader
+        from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 
         lcfg, sd = load_medusa_checkpoint(out, 64, 257)
         assert lcfg.num_heads == 4 and lcfg.shared_lm_head and set(sd) == set(heads.state_for_save())
@@ -110,7 +110,7 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     assert bool((heads2.token_map[1:] > heads2.token_map[:-1]).all())
     assert res2["train"]["epoch_loss"][-1] < res2["train"]["epoch_loss"][0]
     assert 0 < res2["meta"]["heldout_draft_vocab_coverage"] <= 1
-    from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+    from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 
     lcfg2, _ = load_medusa_checkpoint(tmp_path / "heads2", 64, 257)
     assert lcfg2.draft_vocab_size == 100
@@ -241,7 +241,7 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
 @pytest.mark.parametrize("true_t", [0.5, 2.0])
 def test_fit_head_temperatures_recovers_the_sampling_temperature(true_t):
     """Labels drawn from softmax(z / T) for a head whose logits are z: temperature scaling finds T."""
-    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
+    from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
     from specserve.train.medusa import fit_head_temperatures
 
     g = torch.Generator().manual_seed(0)

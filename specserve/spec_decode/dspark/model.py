@@ -29,7 +29,7 @@ Parameter names follow the DeepSpec checkpoints (``fc.weight``, ``hidden_norm.we
 ``markov_head.gate_proj.*`` / ``markov_head.joint_proj.*``, ``confidence_head.proj.{weight,bias}``)
 plus, for a pruned draft vocabulary, ``lm_head.weight [V_draft, d]`` and the ``d2t`` offsets
 (``target_id = draft_id + d2t[draft_id]``). ``expected_state_shapes(cfg)`` lists them;
-``specserve.spec_decode.dspark_formats`` converts DeepSpec, speculators and z-lab checkpoints to them.
+``specserve.spec_decode.dspark.formats`` converts DeepSpec, speculators and z-lab checkpoints to them.
 
 Tensor parallelism: the drafter is replicated on every rank (its inputs, the target's layer outputs,
 are full after the target's all-reduces). The Markov head is replicated by default (the small-heads

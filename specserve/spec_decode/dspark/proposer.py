@@ -57,22 +57,29 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.model_runner import DTYPES, pack_linears, synchronize
+from specserve.device import DTYPES, synchronize
 from specserve.layers import linear
 from specserve.layers.linear import PackedGEMM, mkldnn_packing_available
+from specserve.layers.packing import pack_linears
 from specserve.layers.quant import quantize
 from specserve.sample.tree import TreeBuffers, TreeCache
-from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, calibrated_scores,
-                                              choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
-                                              tree_profile_sizes)
-from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
-from specserve.spec_decode.dspark_model import DFlashDrafter, calibrate_confidences
-from specserve.spec_decode.ngram import graft, merge_branches, split_items
-from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
+from specserve.spec_decode.cost_model import (
+    DraftGate,
+    calibrated_lengths,
+    calibrated_scores,
+    interp_cost,
+    profile_sizes,
+    tree_profile_sizes,
+)
+from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
+from specserve.spec_decode.dspark.model import DFlashDrafter, calibrate_confidences
+from specserve.spec_decode.model_drafter import ModelDrafter
+from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
+from specserve.spec_decode.tree_select import merge_branches, split_items
 
 log = logging.getLogger("specserve.dspark")
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
 VERIFY_MODES = ("full", "threshold", "auto")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -149,8 +156,8 @@ class DSparkDraftWorker:
             quantize_drafter(self.drafter, self.quantization)
         elif getattr(runner, "packed", False) and mkldnn_packing_available(self.dtype):
             pack_linears(self.drafter)  # the target's linears are oneDNN-packed: the drafter's too
-        self.embed = runner.model.model.embed_tokens
-        target_logits, target_dtype = runner.model.compute_logits, runner.dtype
+        self.embed = runner.embed_tokens
+        target_logits, target_dtype = runner.compute_logits, runner.dtype
         # a drafter without its own lm_head reads the target's, in the target's dtype
         self.logits_fn = lambda h: target_logits(h.to(target_dtype))
         self.caches: dict[int, object] = {}
@@ -243,7 +250,7 @@ class DSparkDraftWorker:
         return out
 
 
-class DSparkProposer(Proposer):
+class DSparkProposer(ModelDrafter):
     name = "dspark"
 
     def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
@@ -281,10 +288,10 @@ class DSparkProposer(Proposer):
         for name, v in (("dspark_tree_topk", dspark_tree_topk), ("dspark_tree_beam", dspark_tree_beam)):
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
                 raise ValueError(f"{name} must be an int in 1..64, got {v!r}")
+        super().__init__(online_calibration)
         self.tree_size = dspark_tree
         self.tree_topk, self.tree_beam = dspark_tree_topk, dspark_tree_beam
         self._trees = TreeCache(lambda parents: TreeBuffers.from_parents([-1, *parents]))
-        self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes
         self.model_path = Path(model)
         if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
             raise FileNotFoundError(f"{self.name} checkpoint not found: {self.model_path}")
@@ -295,10 +302,7 @@ class DSparkProposer(Proposer):
         self.markov_replicate = bool(markov_replicate)
         self.draft_dtype = draft_dtype
         self.draft_quantization = draft_quantization
-        self.verify_costs: dict[int, float] | None = None
         self.draft_costs: dict[int, float] | None = None
-        self.online_calibration = bool(online_calibration)
-        self.calibration: AcceptanceCalibration | None = None  # the "auto" modes: set in load_model
         self.use_draft_gate = bool(draft_gate)
         self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
 
@@ -322,8 +326,6 @@ class DSparkProposer(Proposer):
         self.vocab_size = target.config.vocab_size
         if self.verify_mode == "auto" or self.tree_size == "auto":
             self._profile(target)
-            if self.online_calibration:
-                self.calibration = AcceptanceCalibration(k)
             if self.use_draft_gate:
                 self.gate = DraftGate()
 
@@ -335,11 +337,9 @@ class DSparkProposer(Proposer):
             tree = (self.tree_topk, self.tree_beam)
         else:
             (batch_sizes, sizes), tree = profile_sizes(max_seqs, self.num_speculative_tokens), None
-        self.verify_costs = measure_step_costs(target, sizes)
+        self.measure_costs(target, sizes, self.num_speculative_tokens)
         self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree)
-        log.info("DSpark auto: verify cost %s ms, draft cost %s ms",
-                 {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()},
-                 {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
+        log.info("%s auto: draft cost %s ms", self.name, {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
 
     def dummy_run(self, batch_size: int = 1) -> None:
         tree = None if self.tree_size is None else (self.tree_topk, self.tree_beam)
@@ -393,8 +393,7 @@ class DSparkProposer(Proposer):
                            for L, row in zip(lengths, below)]
             else:
                 surv = [row[:L] for row, L in zip(torch.cumprod(conf, dim=1).tolist(), lengths)]
-                lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv,
-                                                    lambda n: interp_cost(self.verify_costs, n),
+                lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv, self.verify_cost,
                                                     self._draft_cost(len(rows), draft_s))
                 if self.gate is not None:
                     for b, gain, L in zip(rows, gains, lengths):
@@ -447,9 +446,7 @@ class DSparkProposer(Proposer):
                     items[r] = merge_branches(paths, scores[r].tolist(), branches[b])
                     valid[r] = [it[0] for it in items[r]]
         if self.tree_size == "auto":
-            counts = choose_verify_lengths([v[:TREE_MAX_NODES] for v in valid],
-                                           lambda n: interp_cost(self.verify_costs, n),
-                                           self._draft_cost(len(rows), draft_s))
+            counts = self.verify_counts([v[:TREE_MAX_NODES] for v in valid], self._draft_cost(len(rows), draft_s))
             if self.gate is not None:  # what drafting adds: its own nodes (branch nodes need no drafting)
                 for r, (b, v, n) in enumerate(zip(rows, valid, counts)):
                     own_v = v[:n] if items[r] is None else [it[0] for it in items[r][:n] if it[2] == 0]
@@ -458,18 +455,16 @@ class DSparkProposer(Proposer):
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
         own: list[int | None] = [None] * len(seqs)
-        if self.calibration is not None:  # what the calibration will check: the unscaled predictions
-            raw, depth = cand.scores.cpu().tolist(), cand.depth.cpu().tolist()
+        raw, depth = ((cand.scores.cpu().tolist(), cand.depth.cpu().tolist()) if self.calibration is not None
+                      else ([[]] * len(rows), []))
         for r, b in enumerate(rows):
-            chosen, extra = split_items(items[r], counts[r], order[r, : counts[r]].tolist())  # parents first
-            if self.calibration is not None:
-                self.calibration.expect_nodes(seqs[b], [raw[r][c] for c in chosen], [depth[c] for c in chosen])
+            # the calibration checks the unscaled predictions; parents come first
+            chosen, extra = self.take_nodes(seqs[b], items[r], counts[r], order[r, : counts[r]].tolist(), raw[r], depth)
             if chosen:
                 node = {c: i + 1 for i, c in enumerate(chosen)}
                 shape = tuple(0 if parents[r][c] < 0 else node[parents[r][c]] for c in chosen)
                 trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
-            if extra:
-                trees[b], own[b] = graft(trees[b], seqs[b].output_ids[-1], [], extra, self._grafted)
+            trees[b], own[b] = self.with_branches(trees[b], seqs[b], extra)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
 
     def _add_branch_only_trees(self, seqs, prop: Proposal, branches, drafted: set[int]) -> Proposal:
@@ -479,19 +474,17 @@ class DSparkProposer(Proposer):
         if not todo:
             return prop
         items = [merge_branches([], [], branches[b]) for b in todo]
-        counts = choose_verify_lengths([[it[0] for it in row] for row in items],
-                                       lambda n: interp_cost(self.verify_costs, n))
+        counts = self.verify_counts([[it[0] for it in row] for row in items])
         trees = list(prop.trees or [None] * len(seqs))
         own = list(prop.own_nodes or [None] * len(seqs))
         for b, row, n in zip(todo, items, counts):
             if n:
-                trees[b], own[b] = graft(None, seqs[b].output_ids[-1], [], split_items(row, n, [])[1], self._grafted)
+                trees[b], own[b] = self.with_branches(None, seqs[b], split_items(row, n, [])[1])
         return Proposal(prop.chains, prop.draft_probs, trees, own)
 
     def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
         """Tell the draft gate what this step's drafting is expected to give a single sequence."""
-        self.gate.judge(seq.seq_id, expected, num_verified, lambda n: interp_cost(self.verify_costs, n),
-                        self._draft_cost(1, draft_s))
+        self.gate.judge(seq.seq_id, expected, num_verified, self.verify_cost, self._draft_cost(1, draft_s))
 
     def _draft_cost(self, batch: int, measured: float) -> float:
         """This step's drafting time: the start-up table (less noisy than one measurement) when it has

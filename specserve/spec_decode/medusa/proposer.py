@@ -38,18 +38,26 @@ from pathlib import Path
 import torch
 
 from specserve.layers.embed_head import ParallelLMHead
+from specserve.layers.packing import pack_linears
 from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
-from specserve.spec_decode.cost_model import (TREE_SIZES, AcceptanceCalibration, calibrated_lengths, calibrated_scores,
-                                              choose_verify_lengths, interp_cost, measure_step_costs, profile_sizes,
-                                              tree_profile_sizes)
-from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
-from specserve.spec_decode.ngram import graft, merge_branches, split_items
-from specserve.spec_decode.proposer import Proposal, Proposer, ProposeInputs, TreeDraft
+from specserve.spec_decode.cost_model import (
+    TREE_SIZES,
+    calibrated_lengths,
+    calibrated_scores,
+    interp_cost,
+    profile_sizes,
+    tree_profile_sizes,
+)
+from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
+from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
+from specserve.spec_decode.model_drafter import ModelDrafter
+from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
+from specserve.spec_decode.tree_select import merge_branches
 
 log = logging.getLogger("specserve.medusa")
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "medusa-smollm2-135m"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "medusa-smollm2-135m"
 VERIFY_MODES = ("full", "auto")
 SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
 
@@ -86,7 +94,7 @@ def expected_tokens(paths: list[list[int]], acc: list[list[float]]) -> float:
     return total
 
 
-class MedusaProposer(Proposer):
+class MedusaProposer(ModelDrafter):
     name = "medusa"
     needs_hidden = True
 
@@ -100,6 +108,7 @@ class MedusaProposer(Proposer):
                              f"got {medusa_verify!r}")
         if not 1 <= medusa_topk <= 64:
             raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
+        super().__init__(online_calibration)
         self.requested_k = num_speculative_tokens
         self.model_path = Path(model) if model else SHIPPED_DIR
         if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
@@ -108,15 +117,11 @@ class MedusaProposer(Proposer):
         self.topk = medusa_topk
         self.acceptance = acceptance
         self.verify_mode = medusa_verify
-        self.verify_costs: dict[int, float] | None = None
-        self.online_calibration = bool(online_calibration)
-        self.calibration: AcceptanceCalibration | None = None  # medusa_verify="auto": set in load_model
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.tree: TreeBuffers | None = None
         self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
-        self._grafted = TreeCache.by_parents(SUBTREE_CACHE)  # subtrees with n-gram branch tokens
         self._hidden: dict[int, torch.Tensor] = {}
         if acceptance == "typical":
             self.lossy_verify = self._typical
@@ -125,8 +130,6 @@ class MedusaProposer(Proposer):
 
     # ---- set-up ---------------------------------------------------------------------------------
     def load_model(self, target) -> None:
-        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
-
         tcfg = target.config
         cfg, sd = load_medusa_checkpoint(self.model_path, tcfg.hidden_size, tcfg.vocab_size)
         self.cfg: MedusaConfig = cfg
@@ -136,12 +139,10 @@ class MedusaProposer(Proposer):
         self.device = device = target.device
         self.heads.to(device)
         if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
-            from specserve.engine.model_runner import pack_linears
-
             pack_linears(self.heads)
             self.heads.pack_first_blocks()
         self.target = target
-        self.lm_head: ParallelLMHead = target.model.lm_head
+        self.lm_head: ParallelLMHead = target.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
             # the draft vocabulary's rows of the target's lm_head, replicated (no gather), packed
             rows = self.heads.token_map
@@ -149,7 +150,7 @@ class MedusaProposer(Proposer):
             if self.lm_head.tp_size == 1 and self.lm_head.quant is not None:
                 sub.quant = self.lm_head.quant[rows]  # a quantized target's rows as they are (its kernel)
             else:
-                chosen = (_full_lm_head_weight(target)[rows] if self.lm_head.tp_size > 1
+                chosen = (target.full_lm_head_weight()[rows] if self.lm_head.tp_size > 1
                           else self.lm_head.dense_rows(rows.to(self.lm_head.weight.device)))
                 with torch.no_grad():
                     sub.weight.copy_(chosen.to(target.dtype))
@@ -161,7 +162,7 @@ class MedusaProposer(Proposer):
         elif cfg.shared_lm_head and self.lm_head.tp_size > 1:
             # heads are small and replicated: give them a full copy of the lm_head, never a gather
             full = ParallelLMHead(tcfg.vocab_size, tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
-            full.weight_loader(full.weight, _full_lm_head_weight(target))
+            full.weight_loader(full.weight, target.full_lm_head_weight())
             full.to(device)
             self.lm_head = full
         if cfg.head_vocab_size < self.topk:
@@ -184,11 +185,7 @@ class MedusaProposer(Proposer):
             else:
                 self._candidates = self._candidate_index(self.tree, device)
                 _, sizes = tree_profile_sizes(max_seqs, self.tree.num_nodes - 1)
-            self.verify_costs = measure_step_costs(target, sizes)
-            if self.online_calibration:
-                self.calibration = AcceptanceCalibration(self.num_speculative_tokens)
-            log.info("Medusa auto verify: target cost %s ms",
-                     {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
+            self.measure_costs(target, sizes, self.num_speculative_tokens)
 
     def _checkpoint_meta(self) -> dict:
         f = self.model_path / "config.json"
@@ -236,7 +233,7 @@ class MedusaProposer(Proposer):
     def _auto_tree(self, target, acc):
         """Choose the tree size from the measured cost of verifying N tokens on this device: the size
         maximising expected tokens per second. None means a chain beats every tree."""
-        cost = measure_step_costs(target, [1] + [n + 1 for n in TREE_SIZES])
+        cost = target.step_costs([1] + [n + 1 for n in TREE_SIZES])
         self.step_costs = cost
         chain_k = self.num_speculative_tokens
         chain = [[0] * (d + 1) for d in range(chain_k)]
@@ -312,24 +309,18 @@ class MedusaProposer(Proposer):
                  for b, br in enumerate(branches)]
         surv = [[x for x in row if x >= 0.0] if it is None else [x[0] for x in it]
                 for row, it in zip(score.tolist(), items)]
-        counts = choose_verify_lengths(surv, lambda n: interp_cost(self.verify_costs, n))
+        counts = self.verify_counts(surv)
         trees: list[TreeDraft | None] = []
         own: list[int | None] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
-            idx, extra = split_items(items[b], n, order[b, :n].tolist())
-            chosen = torch.tensor(idx, dtype=torch.long)
-            if self.calibration is not None:  # what the calibration will check: unscaled, per depth
-                self.calibration.expect_nodes(s, raw[b, chosen].tolist(), self._candidates["depth"][chosen].tolist())
+            idx, extra = self.take_nodes(s, items[b], n, order[b, :n].tolist(), raw[b], self._candidates["depth"])
             tree = None
             if idx:
                 buf = self._subtrees.get(tuple(idx))
                 tree = TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf)
-            if extra:
-                tree, n_own = graft(tree, s.output_ids[-1], [], extra, self._grafted)
-                own.append(n_own)
-            else:
-                own.append(None)
+            tree, n_own = self.with_branches(tree, s, extra)
             trees.append(tree)
+            own.append(n_own)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
 
     def _merge_branches(self, top: torch.Tensor, score: torch.Tensor, order: torch.Tensor, branches) -> list[tuple]:
@@ -372,8 +363,7 @@ class MedusaProposer(Proposer):
             if self.verify_mode == "auto":
                 surv = torch.cumprod(self._probs(chain, seqs).amax(-1), dim=1).tolist()
                 limits, _ = calibrated_lengths(self.calibration, seqs,
-                                               [row[: max(0, m)] for row, m in zip(surv, limits)],
-                                               lambda n: interp_cost(self.verify_costs, n))
+                                               [row[: max(0, m)] for row, m in zip(surv, limits)], self.verify_cost)
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
         if self._candidates is not None:
             return self._propose_dynamic(logits, seqs, list(inputs.max_drafts), inputs.branches)
@@ -412,13 +402,3 @@ def verify_typical(tokens: list[int], logits: torch.Tensor, tree: TreeBuffers, t
             best = i
     return tree.path_to(best), int(inverse_cdf(p[best], uniforms(1, generator)[0]))
 
-
-def _full_lm_head_weight(target) -> torch.Tensor:
-    """The target's full (unsharded) lm_head weight, read from its checkpoint (float)."""
-    from specserve.models.loader import iter_weights
-
-    name = "model.embed_tokens.weight" if target.config.tie_word_embeddings else "lm_head.weight"
-    for n, t in iter_weights(target.model_dir):
-        if n == name:
-            return t
-    raise ValueError(f"{name} not found in the target checkpoint")

@@ -21,7 +21,7 @@ candidates to N target tokens, listed by ``token_map`` [N] (int64 target ids, sa
 the heads' logits are then [.., N] (own heads are [N, d]; a shared head uses those N rows of the
 target's lm_head), and drafted indices are mapped through ``token_map``. Drafting gets N/V as
 expensive; verification is unchanged, so it stays lossless. Other formats (FasterDecoding, vLLM,
-Medusa-2 full checkpoints) are converted to these names by ``specserve.spec_decode.medusa_formats``.
+Medusa-2 full checkpoints) are converted to these names by ``specserve.spec_decode.medusa.formats``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
+from specserve.models.loader import CheckpointError
 
 FORMAT = "specserve-medusa"
 
@@ -157,7 +158,6 @@ class MedusaHeads(nn.Module):
 
     def load_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load our names; every tensor must be present with its exact shape (errors name it)."""
-        from specserve.models.loader import CheckpointError
 
         want = {}
         for h, blocks in enumerate(self.blocks):

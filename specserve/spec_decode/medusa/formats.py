@@ -35,10 +35,12 @@ import re
 import warnings
 from collections import Counter
 from pathlib import Path
+
 import torch
 
-from specserve.models.loader import CheckpointError, read_json_object
-from specserve.spec_decode.medusa_heads import FORMAT, MedusaConfig
+from specserve.models.loader import (SAFETENSORS_INDEX, TORCH_INDEX, CheckpointError, iter_tensors, read_json_object,
+                                     read_tensors, weight_files)
+from specserve.spec_decode.medusa.model import FORMAT, MedusaConfig
 
 __all__ = ["load_medusa_checkpoint", "SUPPORTED_FORMATS"]
 
@@ -51,6 +53,7 @@ SUPPORTED_FORMATS = (
 )
 
 _WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")  # a directory's weights, when it has no index
 _FD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 _OURS_BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.(weight|bias)$")
@@ -115,7 +118,7 @@ def _load_ours(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
             raise CheckpointError(f"{p}: Medusa heads have {what} {cfg[key]}, the target model has {target}")
     entries: Entries = {}
     token_map = None
-    for name, t in _read_file(f).items():
+    for name, t in iter_tensors(f):
         if name == "token_map":
             token_map = t
             continue
@@ -133,13 +136,13 @@ def _load_vllm(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
     tvs, cv = cfg.get("truncated_vocab_size"), cfg.get("vocab_size")
     truncated = int(tvs) if tvs is not None and cv is not None and int(tvs) < int(cv) else None
     token_map = None
-    files = [weights_file] if weights_file is not None else _dir_weight_files(d)
+    files = [weights_file] if weights_file else weight_files(d, WEIGHT_PATTERNS, (SAFETENSORS_INDEX, TORCH_INDEX))
     if not files:
         raise CheckpointError(f"{p}: vLLM Medusa config.json but no weights (*.safetensors, *.bin, *.pt)")
     shared = bool(cfg.get("original_lm_head", False))
     entries: Entries = {}
     for f in files:
-        for src, t in _read_file(f).items():
+        for src, t in iter_tensors(f):
             name = src[len("medusa_heads."):] if src.startswith("medusa_heads.") else src
             if name == "token_map":
                 token_map = t
@@ -182,7 +185,7 @@ def _vllm_rename(cfg: dict) -> dict:
 
 
 def _load_faster_decoding(p: Path, f: Path, cfg: dict, hidden_size: int, vocab_size: int):
-    raw = _read_file(f)
+    raw = read_tensors([f])
     if any(k.startswith("medusa_head.") for k in raw):  # a Medusa-2 style file given directly
         raw = {k: v for k, v in raw.items() if k.startswith("medusa_head.")}
     entries = _fd_entries(f, raw)
@@ -197,42 +200,9 @@ def _load_faster_decoding(p: Path, f: Path, cfg: dict, hidden_size: int, vocab_s
 
 def _load_medusa2(p: Path, d: Path, cfg: dict, hidden_size: int, vocab_size: int):
     """Medusa-2 full model directory, or None when no medusa_head.* tensors are in it."""
-    from safetensors import safe_open
-
-    index = d / "model.safetensors.index.json"
-    by_file: dict[str, list[str]] = {}
-    if index.is_file():
-        wm = _read_json(index).get("weight_map") or {}
-        for k, fname in wm.items():
-            if k.startswith("medusa_head."):
-                by_file.setdefault(fname, []).append(k)
-    else:
-        for f in sorted(d.glob("*.safetensors")):
-            try:
-                with safe_open(str(f), framework="pt") as sf:
-                    keys = [k for k in sf.keys() if k.startswith("medusa_head.")]
-            except Exception as e:  # noqa: BLE001 - report any unreadable file uniformly
-                raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from e
-            if keys:
-                by_file[f.name] = keys
-    if not by_file:
+    raw = read_tensors(weight_files(d), keep=lambda name: name.startswith("medusa_head."))
+    if not raw:
         return None
-    raw: dict[str, torch.Tensor] = {}
-    for fname, keys in by_file.items():
-        f = d / fname
-        if not f.is_file():
-            raise CheckpointError(f"{index}: shard {fname} is missing")
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                have = set(sf.keys())
-                for k in keys:
-                    if k not in have:
-                        raise CheckpointError(f"{index}: {k} is mapped to {fname}, which does not hold it")
-                    raw[k] = sf.get_tensor(k)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from e
     entries = _fd_entries(d, raw)
     declared = {"num_heads": cfg.get("medusa_num_heads"), "num_layers": cfg.get("medusa_num_layers")}
     # the heads were trained jointly with this very backbone: it is their base model
@@ -419,42 +389,3 @@ def _check_token_map(p: Path, t: torch.Tensor, vocab_size: int, declared) -> tor
 
 def _read_json(f: Path) -> dict:
     return read_json_object(f, missing_ok=True)
-
-
-def _dir_weight_files(d: Path) -> list[Path]:
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = d / index_name
-        if index.is_file():
-            names = sorted(set((_read_json(index).get("weight_map") or {}).values()))
-            missing = [n for n in names if not (d / n).is_file()]
-            if missing:
-                raise CheckpointError(f"{index}: shard(s) {', '.join(missing)} missing")
-            return [d / n for n in names]
-    for pattern in ("*.safetensors", "*.bin", "*.pt"):
-        files = sorted(d.glob(pattern))
-        if files:
-            return files
-    return []
-
-
-def _read_file(f: Path) -> dict[str, torch.Tensor]:
-    return _read_safetensors(f) if f.suffix == ".safetensors" else _read_torch(f)
-
-
-def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(f))
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad checkpoint
-        raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from e
-
-
-def _read_torch(f: Path) -> dict[str, torch.Tensor]:
-    try:
-        obj = torch.load(str(f), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{f}: cannot load with torch.load(weights_only=True): {e}") from e
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise CheckpointError(f"{f}: expected a state dict (name -> tensor)")
-    return dict(obj)

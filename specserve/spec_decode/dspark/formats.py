@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from specserve.config import UnsupportedModelError, _rope_scaling
-from specserve.models.loader import CheckpointError, read_json_object
-from specserve.spec_decode.dspark_model import DSparkConfig, d2t_from_t2d, expected_state_shapes
+from specserve.models.loader import CheckpointError, read_json_object, read_tensors, weight_files
+from specserve.spec_decode.dspark.model import DSparkConfig, d2t_from_t2d, expected_state_shapes
 
 __all__ = ["load_dspark_checkpoint", "detect_format", "SUPPORTED_FORMATS"]
 
@@ -348,27 +348,7 @@ def _read_json(f: Path) -> dict:
 
 
 def _read_weights(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set((_read_json(index).get("weight_map") or {}).values()))
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: shard(s) {', '.join(missing)} missing")
-        files = [d / n for n in names]
-    else:
-        files = sorted(d.glob("*.safetensors"))
+    files = weight_files(d)
     if not files:
         raise CheckpointError(f"{d}: no *.safetensors weights")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = load_file(str(f))
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad checkpoint
-            raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from e
-        dup = set(part) & set(out)
-        if dup:
-            raise CheckpointError(f"{d}: tensor {sorted(dup)[0]!r} appears in more than one file")
-        out.update(part)
-    return out
+    return read_tensors(files)

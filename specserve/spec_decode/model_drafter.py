@@ -1,0 +1,59 @@
+"""What the trained drafters (Medusa, DSpark/DFlash) share for their cost-model ("auto") modes: the
+target's step costs measured at start-up, the online calibration of predicted acceptance, and choosing
+a step's nodes from their scored candidates and the n-gram branches (``tree_select``)."""
+
+from __future__ import annotations
+
+import logging
+
+from specserve.sample.tree import TreeCache
+from specserve.spec_decode.cost_model import AcceptanceCalibration, choose_verify_lengths, interp_cost
+from specserve.spec_decode.proposer import Proposer, TreeDraft
+from specserve.spec_decode.tree_select import graft, split_items
+
+log = logging.getLogger("specserve.spec_decode")
+
+
+class ModelDrafter(Proposer):
+    """Base of the drafters with a model of their own. ``verify_costs``: seconds of a target forward by
+    token count (set by ``measure_costs``); ``calibration``: the online correction of predicted
+    acceptance (``online_calibration``, in the "auto" modes)."""
+
+    def __init__(self, online_calibration: bool = True):
+        self.verify_costs: dict[int, float] | None = None
+        self.online_calibration = bool(online_calibration)
+        self.calibration: AcceptanceCalibration | None = None
+        self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes: their shapes recur
+
+    def measure_costs(self, target, sizes: list[int], max_depth: int) -> None:
+        """The "auto" modes' start: the target's step costs for ``sizes`` tokens, and the calibration of
+        up to ``max_depth`` drafts."""
+        self.verify_costs = target.step_costs(sizes)
+        if self.online_calibration:
+            self.calibration = AcceptanceCalibration(max_depth)
+        log.info("%s auto: verify cost %s ms", self.name, {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
+
+    def verify_cost(self, n: int) -> float:
+        """Seconds of a target forward over ``n`` tokens, interpolated in ``verify_costs``."""
+        return interp_cost(self.verify_costs, n)
+
+    def verify_counts(self, survival: list[list[float]], draft_cost: float = 0.0) -> list[int]:
+        """How many of each request's scored nodes to verify (``cost_model.choose_verify_lengths``)."""
+        return choose_verify_lengths(survival, self.verify_cost, draft_cost)
+
+    def take_nodes(self, seq, items: list[tuple] | None, n: int, order: list[int], raw, depth):
+        """The first ``n`` nodes of ``seq``'s ranking -> (the chosen candidates, sorted; the chosen branch
+        nodes' token paths). ``items``: the ``tree_select.merge_branches`` ranking, or None (then the
+        candidates' ``order``). The calibration learns what it will check: the chosen candidates' raw
+        scores ``raw[c]`` at depths ``depth[c]``."""
+        chosen, extra = split_items(items, n, order)
+        if self.calibration is not None:
+            self.calibration.expect_nodes(seq, [float(raw[c]) for c in chosen], [int(depth[c]) for c in chosen])
+        return chosen, extra
+
+    def with_branches(self, tree: TreeDraft | None, seq, extra: list[list[int]]) -> tuple[TreeDraft | None, int | None]:
+        """``tree`` with the chosen branch nodes ``extra`` grafted in, and how many nodes were the drafter's
+        own (None: no branch node)."""
+        if not extra:
+            return tree, None
+        return graft(tree, seq.output_ids[-1], [], extra, self._grafted)

@@ -1,0 +1,186 @@
+"""N-gram branches beside another drafter (``speculative_config`` keys ``ngram_branch``,
+``ngram_candidates``, ``ngram_pool``): ``NgramBranches`` wraps the drafter's proposer and offers each
+sequence's n-gram continuations (from itself and, pooled, from earlier requests) as more branches of
+its chain or tree. A drafter that ``plans_branches`` weighs them with its own cost model (with
+``BranchAcceptance``'s scores); for the others whole branches are grafted below their drafts. The
+drafters miss on different tokens: chat answers repeat words of the prompt, of themselves and of
+earlier answers, which a trained drafter often does not predict. Verification stays lossless
+(deterministic drafts, one-hot rule), whichever wins."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specserve.sample.tree import TreeCache
+from specserve.spec_decode.cost_model import sampling_key
+from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
+from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
+from specserve.spec_decode.tree_select import BranchDraft, graft
+
+# the n-gram branches as the demo and the bench's "-pool" presets use them (speculative_config keys):
+# 3 continuations of up to 12 tokens, from the sequence itself and from earlier requests
+POOLED_BRANCHES = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
+BRANCH_KEYS = tuple(POOLED_BRANCHES)
+
+
+class BranchAcceptance:
+    """Online estimate of how often the n-gram branches' tokens are accepted, per key (the engine's:
+    the sampling setting, ``cost_model.sampling_key``, the length n of the matched n-gram, as a
+    4-gram match predicts better than a 1-gram one, and the candidate's rank), so that a cost model
+    can weigh each branch token against what verifying it costs, as it weighs a drafter's own nodes.
+
+    At depth d it keeps exponentially decayed counts of the steps where the sequence's next d - 1
+    tokens turned out to be the branch's (the branch's token d was "tried") and of those where the
+    d-th was too; the conditional rate is ``(hits + prior * p0) / (tries + prior)`` (a depth without
+    evidence takes the rate of the depth above it as ``p0``) and a token's score is the product of the
+    rates down to it. The tokens a step emitted (accepted drafts + the target's own token) say this for
+    every branch token up to their length, whether the step verified the branch or not: the estimate
+    needs no exploration. Lossless: it reads earlier steps' emitted tokens only."""
+
+    def __init__(self, max_depth: int, decay: float = 0.99, prior: float = 2.0, p0: float = 0.5):
+        if not 0.0 < decay <= 1.0 or prior <= 0 or not 0.0 < p0 < 1.0:
+            raise ValueError(f"need decay in (0, 1], prior > 0 and p0 in (0, 1), got {decay}, {prior}, {p0}")
+        self.max_depth, self.decay, self.prior, self.p0 = int(max_depth), float(decay), float(prior), float(p0)
+        self._stats: dict[tuple, list[list[float]]] = {}  # key -> [tries[d], hits[d]]
+
+    def rates(self, key: tuple) -> list[float]:
+        """The conditional acceptance rates at depths 1..max_depth."""
+        st = self._stats.get(key)
+        out: list[float] = []
+        for d in range(self.max_depth):
+            tries, hits = (st[0][d], st[1][d]) if st else (0.0, 0.0)
+            above = out[-1] if out else self.p0
+            out.append((hits + self.prior * above) / (tries + self.prior))
+        return out
+
+    def draft(self, key: tuple, tokens: list[int]) -> BranchDraft:
+        scores, run = [], 1.0
+        for r in self.rates(key)[: len(tokens)]:
+            run *= r
+            scores.append(run)
+        return BranchDraft(list(tokens), scores)
+
+    def observe(self, key: tuple, branch: list[int], emitted: list[int]) -> None:
+        """A step that offered ``branch`` emitted ``emitted``."""
+        if not branch or not emitted:
+            return
+        st = self._stats.setdefault(key, [[0.0] * self.max_depth, [0.0] * self.max_depth])
+        for row in st:
+            row[:] = [x * self.decay for x in row]
+        for d, (b, e) in enumerate(zip(branch[: self.max_depth], emitted)):
+            st[0][d] += 1.0
+            if b != e:
+                break
+            st[1][d] += 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramBranchOptions:
+    """``ngram_branch`` tokens per branch (0: none), ``ngram_candidates`` branches per step (distinct
+    continuations), ``ngram_pool``: also match earlier requests' tokens, not only the sequence's own."""
+
+    tokens: int = 0
+    candidates: int = 1
+    pool: bool = False
+
+
+def split_ngram_branch(spec) -> tuple[object, NgramBranchOptions]:
+    """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``)."""
+    if spec is None or not any(k in spec.options for k in BRANCH_KEYS):
+        return spec, NgramBranchOptions()
+    opts = dict(spec.options)
+    k, cands, pool = opts.pop("ngram_branch", 0), opts.pop("ngram_candidates", 1), opts.pop("ngram_pool", False)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32:
+        raise ValueError(f"ngram_branch must be an int in 0..32 (n-gram draft tokens per step), got {k!r}")
+    if isinstance(cands, bool) or not isinstance(cands, int) or not 1 <= cands <= 8:
+        raise ValueError(f"ngram_candidates must be an int in 1..8 (n-gram branches per step), got {cands!r}")
+    if not isinstance(pool, bool):
+        raise ValueError(f"ngram_pool must be true or false, got {pool!r}")
+    if not k and ("ngram_candidates" in spec.options or pool):
+        raise ValueError("ngram_candidates and ngram_pool need ngram_branch (tokens per branch) > 0")
+    if spec.method == "ngram" and k:
+        raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
+    return dataclasses.replace(spec, options=opts), NgramBranchOptions(k, cands, pool)
+
+
+class NgramBranches(Proposer):
+    """``inner``'s drafts with each sequence's n-gram continuations as more branches. Counts
+    ``branch_tokens`` (branch nodes verified beyond the drafter's own) and ``branch_wins`` (steps where
+    a branch node was accepted past the drafter's own)."""
+
+    def __init__(self, inner: Proposer, opts: NgramBranchOptions):
+        self.inner, self.opts = inner, opts
+        self.name = inner.name
+        self.acceptance = BranchAcceptance(opts.tokens)
+        self.pool = NgramPool() if opts.pool else None
+        self._trees = TreeCache.by_parents()  # grafted shapes recur
+        self._offered: dict[int, list[tuple[list[int], tuple]]] = {}  # seq_id -> [(tokens, acceptance key)]
+        self._own: dict[int, int | None] = {}  # seq_id -> the drafter's own nodes of its last draft tree
+        self.branch_tokens = self.branch_wins = 0
+
+    # the drafter's own attributes, as the engine reads them
+    num_speculative_tokens = property(lambda self: self.inner.num_speculative_tokens)
+    aux_layers = property(lambda self: self.inner.aux_layers)
+    needs_hidden = property(lambda self: self.inner.needs_hidden)
+    lossy_verify = property(lambda self: self.inner.lossy_verify)
+    calibration = property(lambda self: self.inner.calibration)
+
+    def load_model(self, target) -> None:
+        self.inner.load_model(target)
+
+    def dummy_run(self, batch_size: int = 1) -> None:
+        self.inner.dummy_run(batch_size)
+
+    def observe(self, seq, last_hidden, aux, reset) -> None:
+        self.inner.observe(seq, last_hidden, aux, reset)
+
+    def forget(self, seq) -> None:
+        self.inner.forget(seq)
+        self._offered.pop(seq.seq_id, None)
+        self._own.pop(seq.seq_id, None)
+        if seq.finished and self.pool is not None:  # a finished answer serves later requests
+            self.pool.add(seq.all_ids)
+
+    def _matches(self, seq, room: int) -> list[tuple[list[int], tuple]]:
+        """``seq``'s n-gram continuations, (tokens, acceptance key: sampling setting, matched n, rank)."""
+        k = min(self.opts.tokens, room)
+        if not k:
+            return []
+        ids = torch.tensor(seq.all_ids, dtype=torch.long)
+        found = ngram_candidates(ids, k, self.opts.candidates, self.pool)
+        key = sampling_key(seq.params)
+        return [(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
+
+    def propose(self, inputs: ProposeInputs) -> Proposal:
+        seqs, B = inputs.seqs, len(inputs.seqs)
+        matches = [self._matches(s, room) for s, room in zip(seqs, inputs.room)]
+        planned = self.inner.plans_branches
+        branches = ([[self.acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned
+                    else None)
+        prop = self.inner.propose(ProposeInputs(seqs, inputs.max_drafts, inputs.room, branches))
+        own = list(prop.own_nodes or [None] * B)
+        if not planned and prop.draft_probs is None and self.inner.lossy_verify is None:
+            chains = [list(c[:m]) for c, m in zip(prop.chains, inputs.max_drafts)]
+            trees = prop.trees if prop.has_trees else [None] * B
+            grafted = [graft(t, s.output_ids[-1], c, [toks for toks, _ in m], self._trees)
+                       for s, c, t, m in zip(seqs, chains, trees, matches)]  # whole branches below the drafter's
+            prop = Proposal(chains, None, [g[0] for g in grafted])
+            own = [g[1] for g in grafted]
+        for s, m, o in zip(seqs, matches, own):
+            self._offered[s.seq_id], self._own[s.seq_id] = m, o
+        self.branch_tokens += sum(len(t.tokens) - o for t, o in zip(prop.trees or [], own) if o is not None)
+        return prop
+
+    def verified(self, seq, emitted: list[int], kept: list[int]) -> None:
+        """The drafter hears of its own nodes' part of what was accepted; the branch statistics learn
+        from every continuation offered, verified or not."""
+        own = self._own.pop(seq.seq_id, None)
+        n = len(emitted) - 1
+        if own is not None:  # the drafter's nodes: a prefix of any path
+            n = sum(1 for i in kept[1:] if i < own)
+            self.branch_wins += n < len(emitted) - 1
+        self.inner.verified(seq, emitted[: n + 1], kept[: n + 1])
+        for toks, key in self._offered.pop(seq.seq_id, ()):
+            self.acceptance.observe(key, toks, emitted)

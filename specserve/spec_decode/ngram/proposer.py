@@ -1,0 +1,123 @@
+"""N-gram drafter (prompt lookup): match the sequence's last n tokens earlier in the sequence (n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``) and propose the tokens that followed the most
+recent match."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
+
+PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by default (longest first)
+
+
+def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int]:
+    """ids: 1-D long tensor of the whole sequence. Returns up to k tokens that followed the most recent
+    earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that has one."""
+    found = ngram_candidates(ids, k, 1, None, n_max, n_min)
+    return found[0][0] if found else []
+
+
+class NgramPool:
+    """The tokens of earlier requests (prompt and output of each finished one), indexed by their
+    n-grams, so that a sequence's n-gram branch can also continue a phrase that an earlier answer
+    used (as vLLM's suffix decoding does with a tree of earlier responses): a chat model answers
+    different questions with the same phrases. Each n-gram keeps its ``per_key`` most recent
+    occurrences; the oldest sequences are dropped past ``max_tokens`` tokens in all."""
+
+    def __init__(self, n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN, max_tokens: int = 1 << 20,
+                 per_key: int = 4):
+        self.n_max, self.n_min, self.max_tokens, self.per_key = n_max, n_min, int(max_tokens), int(per_key)
+        self._seqs: dict[int, list[int]] = {}  # sequence number -> tokens, oldest first
+        self._next = 0
+        self._total = 0
+        self._index: dict[tuple, list[tuple[int, int]]] = {}  # n-gram -> [(sequence, continuation start)]
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def add(self, ids: list[int]) -> None:
+        ids = [int(t) for t in ids]
+        if len(ids) < 2:
+            return
+        no, self._next = self._next, self._next + 1
+        self._seqs[no] = ids
+        self._total += len(ids)
+        for key, start in self._ngrams(ids):
+            hits = self._index.setdefault(key, [])
+            hits.append((no, start))
+            if len(hits) > self.per_key:
+                del hits[0]
+        while self._total > self.max_tokens and len(self._seqs) > 1:
+            old = next(iter(self._seqs))
+            gone = self._seqs.pop(old)
+            self._total -= len(gone)
+            for key, _ in self._ngrams(gone):  # its index entries go too
+                hits = [h for h in self._index.get(key, ()) if h[0] != old]
+                if hits:
+                    self._index[key] = hits
+                else:
+                    self._index.pop(key, None)
+
+    def _ngrams(self, ids: list[int]):
+        """Every n-gram of ``ids`` that something follows, with where that continuation starts."""
+        for n in range(self.n_min, self.n_max + 1):
+            for j in range(len(ids) - n):
+                yield tuple(ids[j : j + n]), j + n
+
+    def continuations(self, suffix: list[int], k: int) -> list[list[int]]:
+        """Up to k tokens that followed ``suffix`` in earlier sequences, most recent first."""
+        out = []
+        for no, start in reversed(self._index.get(tuple(suffix), ())):
+            ids = self._seqs.get(no)
+            if ids is not None:
+                out.append(ids[start : start + k])
+        return out
+
+
+def ngram_candidates(ids: torch.Tensor, k: int, limit: int, pool: NgramPool | None = None,
+                     n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN) -> list[tuple[list[int], int]]:
+    """Up to ``limit`` distinct continuations (each up to k tokens) of the sequence ``ids`` (1-D long
+    tensor), as (tokens, n): for n from ``n_max`` down, the tokens that followed the sequence's last n
+    tokens earlier in itself (most recent first), then in ``pool``'s earlier sequences. A candidate
+    that is a prefix of an earlier one adds nothing and is skipped."""
+    L = ids.numel()
+    out: list[tuple[list[int], int]] = []
+    if k <= 0 or limit <= 0:
+        return out
+
+    def offer(tokens: list[int], n: int) -> bool:
+        if tokens and not any(c[: len(tokens)] == tokens for c, _ in out):
+            out.append((tokens, n))
+        return len(out) >= limit
+
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = ids[L - n :]
+        hits = (ids[: L - 1].unfold(0, n, 1) == suffix).all(1).nonzero().flatten().tolist()
+        for h in reversed(hits):
+            if offer(ids[h + n : h + n + k].tolist(), n):
+                return out
+        if pool is not None:
+            for tokens in pool.continuations(suffix.tolist(), k):
+                if offer(tokens, n):
+                    return out
+    return out
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, num_speculative_tokens: int = 5, prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
+                 prompt_lookup_min: int = PROMPT_LOOKUP_MIN):
+        if not (1 <= prompt_lookup_min <= prompt_lookup_max):
+            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({prompt_lookup_max})")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
+
+    def propose(self, inputs: ProposeInputs) -> Proposal:
+        chains = []
+        for seq, k in zip(inputs.seqs, inputs.max_drafts):
+            ids = torch.tensor(seq.all_ids, dtype=torch.long)
+            chains.append(ngram_propose(ids, min(k, self.num_speculative_tokens), self.n_max, self.n_min))
+        return Proposal(chains)
