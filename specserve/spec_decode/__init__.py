@@ -6,6 +6,7 @@ from specserve.spec_decode.dspark import DFlashProposer, DSparkProposer
 from specserve.spec_decode.medusa import MedusaProposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.ngram.branches import NgramBranches, split_ngram_branch
+from specserve.spec_decode.options import parse_options
 from specserve.spec_decode.proposer import NoProposer, Proposal, ProposeInputs, Proposer, TreeDraft
 
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer,
@@ -20,11 +21,9 @@ def build_proposer(spec) -> Proposer:
     spec, branch_opts = split_ngram_branch(spec)
     if spec.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {spec.method!r}; known: {', '.join(sorted(PROPOSERS))}")
-    try:
-        proposer = PROPOSERS[spec.method](**spec.proposer_kwargs())
-    except TypeError as e:  # an option the drafter does not take
-        raise ValueError(f"speculative_config for {spec.method!r}: {e}") from None
-    return NgramBranches(proposer, branch_opts) if branch_opts.tokens else proposer
+    cls = PROPOSERS[spec.method]
+    proposer = cls(parse_options(cls.Options, spec.proposer_kwargs(), spec.method))
+    return NgramBranches(proposer, branch_opts) if branch_opts.ngram_branch else proposer
 
 
 __all__ = ["PROPOSERS", "build_proposer", "NoProposer", "Proposal", "Proposer", "ProposeInputs", "TreeDraft"]

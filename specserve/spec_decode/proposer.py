@@ -54,9 +54,12 @@ class ProposeInputs:
 
 
 class Proposer:
-    """Base class. Subclasses set ``name`` and override ``propose``."""
+    """Base class. Subclasses set ``name`` and ``Options`` (a frozen dataclass of their
+    ``speculative_config`` keys, ``options.option`` fields: the constructor's one argument) and
+    override ``propose``."""
 
     name = "none"
+    Options = None
     num_speculative_tokens = 0
     aux_layers: tuple = ()  # target layers whose outputs the proposer reads
     needs_hidden = False  # whether it reads the target's final hidden state

@@ -2,6 +2,7 @@
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy
 from specserve.spec_decode import PROPOSERS, Proposal, Proposer, TreeDraft
 from specserve.spec_decode.ngram.proposer import ngram_propose
+from specserve.spec_decode.options import option
 
 PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
 
@@ -68,16 +70,23 @@ def assert_same_distribution(a: Counter, b: Counter) -> None:
             assert stat < chi2_critical(dof), (stat, dof)
 
 
+@dataclass(frozen=True)
+class OracleOptions:
+    num_speculative_tokens: int = option(3, "tree depth", lo=3, hi=3)
+    model: str | None = option(None, "the target's checkpoint (the oracle's copy)")
+
+
 class OracleTreeProposer(Proposer):
     """Test drafter: a tree whose *second* branch follows the target's own greedy continuation (from
     a copy of the target) and whose other branches are random, so that accepted paths skip nodes
     and the KV compaction is exercised."""
 
     name = "oracle-tree"
+    Options = OracleOptions
 
-    def __init__(self, num_speculative_tokens=3, model=None, **_):
-        self.num_speculative_tokens = num_speculative_tokens
-        self.oracle = ModelRunner(model, dtype="float32", max_num_seqs=1)
+    def __init__(self, opts: OracleOptions):
+        self.num_speculative_tokens = opts.num_speculative_tokens
+        self.oracle = ModelRunner(opts.model, dtype="float32", max_num_seqs=1)
         # root; children 1 (random), 2 (oracle); 2 -> 3 (oracle), 4 (random); 3 -> 5 (oracle)
         self.buffers = TreeBuffers.from_parents([-1, 0, 0, 2, 2, 3])
         self.gen = torch.Generator().manual_seed(0)

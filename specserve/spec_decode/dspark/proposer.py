@@ -71,6 +71,7 @@ from specserve.spec_decode.cost_model import (
     profile_sizes,
     tree_profile_sizes,
 )
+from specserve.spec_decode.dspark.config import DSparkOptions
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.model import DFlashDrafter, calibrate_confidences
 from specserve.spec_decode.model_drafter import ModelDrafter
@@ -80,9 +81,6 @@ from specserve.spec_decode.tree_select import merge_branches, split_items
 log = logging.getLogger("specserve.dspark")
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
-VERIFY_MODES = ("full", "threshold", "auto")
-DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
 TREE_MAX_NODES = 64  # dspark_tree="auto": the most nodes one request's tree may verify
 
@@ -253,57 +251,31 @@ class DSparkDraftWorker:
 class DSparkProposer(ModelDrafter):
     name = "dspark"
 
-    def __init__(self, model: str | None = None, num_speculative_tokens: int | None = None,
-                 draft_sample_method: str = "greedy", dspark_verify: str = "full",
-                 confidence_threshold: float = 0.5, markov_replicate: bool = True, dspark_tree=None,
-                 dspark_tree_topk: int = 4, dspark_tree_beam: int = 4, online_calibration: bool = True,
-                 draft_gate: bool = True, draft_dtype: str = "auto", draft_quantization: str = "auto"):
+    Options = DSparkOptions
+
+    def __init__(self, opts: DSparkOptions):
+        model = opts.model
         if model is None:
             model = SHIPPED_DIR / f"{self.name}-smollm2-135m"
             if not model.exists():
                 raise ValueError(f"method {self.name!r} needs a drafter checkpoint: speculative_config['model'] "
                                  "(none is shipped for it)")
-        if draft_dtype not in DRAFT_DTYPES:
-            raise ValueError(f"draft_dtype must be one of {', '.join(map(repr, DRAFT_DTYPES))}, got {draft_dtype!r}")
-        if draft_quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(f"draft_quantization must be one of {', '.join(map(repr, DRAFT_QUANTIZATIONS))}, "
-                             f"got {draft_quantization!r}")
-        if draft_sample_method not in ("greedy", "probabilistic"):
-            raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
-        if dspark_verify not in VERIFY_MODES:
-            raise ValueError(f"dspark_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, "
-                             f"got {dspark_verify!r}")
-        if not 0.0 <= float(confidence_threshold) <= 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
-        if dspark_tree is not None:
-            if dspark_tree != "auto" and (isinstance(dspark_tree, bool) or not isinstance(dspark_tree, int)
-                                          or dspark_tree < 1):
-                raise ValueError(f"dspark_tree must be None, 'auto' or a node count >= 1, got {dspark_tree!r}")
-            if draft_sample_method != "greedy":
-                raise ValueError("dspark_tree drafts the top tokens of each node: use draft_sample_method='greedy' "
-                                 "(tree verification is lossless at any temperature)")
-            if dspark_verify != "full":
-                raise ValueError("dspark_tree chooses the verified nodes itself ('auto' or a size): leave "
-                                 f"dspark_verify at 'full', got {dspark_verify!r}")
-        for name, v in (("dspark_tree_topk", dspark_tree_topk), ("dspark_tree_beam", dspark_tree_beam)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise ValueError(f"{name} must be an int in 1..64, got {v!r}")
-        super().__init__(online_calibration)
-        self.tree_size = dspark_tree
-        self.tree_topk, self.tree_beam = dspark_tree_topk, dspark_tree_beam
+        super().__init__(opts.online_calibration)
+        self.tree_size = opts.dspark_tree
+        self.tree_topk, self.tree_beam = opts.dspark_tree_topk, opts.dspark_tree_beam
         self._trees = TreeCache(lambda parents: TreeBuffers.from_parents([-1, *parents]))
         self.model_path = Path(model)
         if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
             raise FileNotFoundError(f"{self.name} checkpoint not found: {self.model_path}")
-        self.requested_k = num_speculative_tokens
-        self.sample_method = draft_sample_method
-        self.verify_mode = dspark_verify
-        self.threshold = float(confidence_threshold)
-        self.markov_replicate = bool(markov_replicate)
-        self.draft_dtype = draft_dtype
-        self.draft_quantization = draft_quantization
+        self.requested_k = opts.num_speculative_tokens
+        self.sample_method = opts.draft_sample_method
+        self.verify_mode = opts.dspark_verify
+        self.threshold = float(opts.confidence_threshold)
+        self.markov_replicate = opts.markov_replicate
+        self.draft_dtype = opts.draft_dtype
+        self.draft_quantization = opts.draft_quantization
         self.draft_costs: dict[int, float] | None = None
-        self.use_draft_gate = bool(draft_gate)
+        self.use_draft_gate = opts.draft_gate
         self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
 
     def load_model(self, target) -> None:

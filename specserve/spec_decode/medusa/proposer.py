@@ -49,6 +49,7 @@ from specserve.spec_decode.cost_model import (
     profile_sizes,
     tree_profile_sizes,
 )
+from specserve.spec_decode.medusa.config import MedusaOptions
 from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 from specserve.spec_decode.model_drafter import ModelDrafter
@@ -58,7 +59,6 @@ from specserve.spec_decode.tree_select import merge_branches
 log = logging.getLogger("specserve.medusa")
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "medusa-smollm2-135m"
-VERIFY_MODES = ("full", "auto")
 SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
 
 
@@ -98,32 +98,25 @@ class MedusaProposer(ModelDrafter):
     name = "medusa"
     needs_hidden = True
 
-    def __init__(self, num_speculative_tokens: int | None = None, model: str | None = None, medusa_tree=None,
-                 medusa_topk: int = 10, acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, medusa_verify: str = "full", online_calibration: bool = True):
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}")
-        if medusa_verify not in VERIFY_MODES:
-            raise ValueError(f"medusa_verify must be one of {', '.join(map(repr, VERIFY_MODES))}, "
-                             f"got {medusa_verify!r}")
-        if not 1 <= medusa_topk <= 64:
-            raise ValueError(f"medusa_topk must be in 1..64, got {medusa_topk}")
-        super().__init__(online_calibration)
-        self.requested_k = num_speculative_tokens
-        self.model_path = Path(model) if model else SHIPPED_DIR
+    Options = MedusaOptions
+
+    def __init__(self, opts: MedusaOptions):
+        super().__init__(opts.online_calibration)
+        self.requested_k = opts.num_speculative_tokens
+        self.model_path = Path(opts.model) if opts.model else SHIPPED_DIR
         if not self.model_path.exists():  # before any model (or tensor-parallel worker) loads
             raise FileNotFoundError(f"Medusa checkpoint not found: {self.model_path}")
-        self.tree_spec = medusa_tree
-        self.topk = medusa_topk
-        self.acceptance = acceptance
-        self.verify_mode = medusa_verify
-        self.posterior_threshold = posterior_threshold
-        self.posterior_alpha = posterior_alpha
+        self.tree_spec = opts.medusa_tree
+        self.topk = opts.medusa_topk
+        self.acceptance = opts.acceptance
+        self.verify_mode = opts.medusa_verify
+        self.posterior_threshold = opts.posterior_threshold
+        self.posterior_alpha = opts.posterior_alpha
         self.tree: TreeBuffers | None = None
         self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
-        if acceptance == "typical":
+        if self.acceptance == "typical":
             self.lossy_verify = self._typical
             log.warning("Medusa typical acceptance is LOSSY: outputs no longer follow the target distribution "
                         "exactly (use acceptance='exact' for lossless decoding)")

@@ -15,7 +15,9 @@ import torch
 
 from specserve.sample.tree import TreeCache
 from specserve.spec_decode.cost_model import sampling_key
+from specserve.spec_decode.ngram.config import NgramBranchOptions
 from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
+from specserve.spec_decode.options import parse_options
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 from specserve.spec_decode.tree_select import BranchDraft, graft
 
@@ -76,33 +78,15 @@ class BranchAcceptance:
             st[1][d] += 1.0
 
 
-@dataclasses.dataclass(frozen=True)
-class NgramBranchOptions:
-    """``ngram_branch`` tokens per branch (0: none), ``ngram_candidates`` branches per step (distinct
-    continuations), ``ngram_pool``: also match earlier requests' tokens, not only the sequence's own."""
-
-    tokens: int = 0
-    candidates: int = 1
-    pool: bool = False
-
-
 def split_ngram_branch(spec) -> tuple[object, NgramBranchOptions]:
     """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``)."""
     if spec is None or not any(k in spec.options for k in BRANCH_KEYS):
         return spec, NgramBranchOptions()
-    opts = dict(spec.options)
-    k, cands, pool = opts.pop("ngram_branch", 0), opts.pop("ngram_candidates", 1), opts.pop("ngram_pool", False)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32:
-        raise ValueError(f"ngram_branch must be an int in 0..32 (n-gram draft tokens per step), got {k!r}")
-    if isinstance(cands, bool) or not isinstance(cands, int) or not 1 <= cands <= 8:
-        raise ValueError(f"ngram_candidates must be an int in 1..8 (n-gram branches per step), got {cands!r}")
-    if not isinstance(pool, bool):
-        raise ValueError(f"ngram_pool must be true or false, got {pool!r}")
-    if not k and ("ngram_candidates" in spec.options or pool):
-        raise ValueError("ngram_candidates and ngram_pool need ngram_branch (tokens per branch) > 0")
-    if spec.method == "ngram" and k:
+    opts = parse_options(NgramBranchOptions, {k: v for k, v in spec.options.items() if k in BRANCH_KEYS}, spec.method)
+    if spec.method == "ngram" and opts.ngram_branch:
         raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
-    return dataclasses.replace(spec, options=opts), NgramBranchOptions(k, cands, pool)
+    own = {k: v for k, v in spec.options.items() if k not in BRANCH_KEYS}
+    return dataclasses.replace(spec, options=own), opts
 
 
 class NgramBranches(Proposer):
@@ -113,8 +97,8 @@ class NgramBranches(Proposer):
     def __init__(self, inner: Proposer, opts: NgramBranchOptions):
         self.inner, self.opts = inner, opts
         self.name = inner.name
-        self.acceptance = BranchAcceptance(opts.tokens)
-        self.pool = NgramPool() if opts.pool else None
+        self.acceptance = BranchAcceptance(opts.ngram_branch)
+        self.pool = NgramPool() if opts.ngram_pool else None
         self._trees = TreeCache.by_parents()  # grafted shapes recur
         self._offered: dict[int, list[tuple[list[int], tuple]]] = {}  # seq_id -> [(tokens, acceptance key)]
         self._own: dict[int, int | None] = {}  # seq_id -> the drafter's own nodes of its last draft tree
@@ -145,11 +129,11 @@ class NgramBranches(Proposer):
 
     def _matches(self, seq, room: int) -> list[tuple[list[int], tuple]]:
         """``seq``'s n-gram continuations, (tokens, acceptance key: sampling setting, matched n, rank)."""
-        k = min(self.opts.tokens, room)
+        k = min(self.opts.ngram_branch, room)
         if not k:
             return []
         ids = torch.tensor(seq.all_ids, dtype=torch.long)
-        found = ngram_candidates(ids, k, self.opts.candidates, self.pool)
+        found = ngram_candidates(ids, k, self.opts.ngram_candidates, self.pool)
         key = sampling_key(seq.params)
         return [(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
 

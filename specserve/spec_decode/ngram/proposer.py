@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from specserve.spec_decode.ngram.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, NgramOptions
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 
-PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by default (longest first)
 
 
 def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int]:
@@ -107,13 +107,11 @@ def ngram_candidates(ids: torch.Tensor, k: int, limit: int, pool: NgramPool | No
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, num_speculative_tokens: int = 5, prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
-                 prompt_lookup_min: int = PROMPT_LOOKUP_MIN):
-        if not (1 <= prompt_lookup_min <= prompt_lookup_max):
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max})")
-        self.num_speculative_tokens = num_speculative_tokens
-        self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
+    Options = NgramOptions
+
+    def __init__(self, opts: NgramOptions):
+        self.num_speculative_tokens = opts.num_speculative_tokens
+        self.n_max, self.n_min = opts.prompt_lookup_max, opts.prompt_lookup_min
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         chains = []
