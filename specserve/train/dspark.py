@@ -17,8 +17,8 @@
    the block input is ``[token a, MASK x (gamma-1)]`` at positions ``a .. a+gamma-1`` with the
    target's frozen embedding; the context is the features of positions ``< a``; slot k (0-based)
    predicts the token at ``a+k+1``. ``--anchors-per-seq`` random anchors per sequence per epoch
-   (without replacement). All blocks of a batch of sequences run in one forward
-   (``block_hidden``): every query attends to its sequence's context K/V (each layer's k/v
+   (without replacement). All blocks of a batch of sequences run in one forward of the drafter
+   (``DFlashDrafter.forward_anchored_blocks``): every query attends to its sequence's context K/V (each layer's k/v
    projections of ``hidden_norm(fc(features))``) strictly before its own anchor, plus its own block
    bidirectionally; other blocks are masked out. This is the same computation as the proposer's
    ``DFlashDrafter.forward_block`` over a ``DraftCache`` (tested).
@@ -74,7 +74,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.rotary import apply_rotary
 from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES, DFlashDrafter, DSparkConfig, draft_target_ids
 from specserve.train.common import (FEATURE_DTYPES, adamw_cosine, by_source, check_distill_temperatures,
                                     check_num_prompts, decode_section, eval_prompt_count, evaluated_by,
@@ -430,39 +429,11 @@ def grow_drafter_(drafter, sd: dict[str, torch.Tensor], num_loaded: int) -> None
     drafter.load_state(full)
 
 
-def block_hidden(drafter, feats: torch.Tensor, anchors: torch.Tensor, block_ids: torch.Tensor,
-                 embed_w: torch.Tensor) -> torch.Tensor:
-    """The training forward of many blocks at once.
-
-    feats [S, T, m*d]: each sequence's target features (zero-padded past its end). anchors [S, N]:
-    the anchor position of each block (padding blocks: any position, e.g. 0). block_ids [S, N, G]:
-    ``[anchor token, mask x (G-1)]``. embed_w [V, d]: the target's embedding (frozen).
-    Returns the final-normed slot states [S, N, G, d]. Block (s, n) attends to sequence s's context
-    at positions < anchors[s, n] and to itself, bidirectionally."""
-    S, N, G = block_ids.shape
-    T = feats.shape[1]
-    Q = N * G
-    dtype = drafter.norm.weight.dtype
-    dev = feats.device
-    x = F.embedding(block_ids.reshape(S, Q), embed_w).to(dtype)
-    qpos = (anchors.unsqueeze(-1) + torch.arange(G, device=dev)).reshape(S, Q)
-    ctx = drafter.context_features(feats)  # [S, T, d]
-    cpos = torch.arange(T, device=dev).unsqueeze(0).expand(S, T)
-    cos_q, sin_q = drafter.rotary.cos_sin(qpos, dtype)
-    cos_c, sin_c = drafter.rotary.cos_sin(cpos, dtype)
-    q_anchor = anchors.repeat_interleave(G, dim=1)  # [S, Q]
-    vis_ctx = cpos.unsqueeze(1) < q_anchor.unsqueeze(2)  # [S, Q, T]
-    blk = torch.arange(N, device=dev).repeat_interleave(G)
-    vis_blk = (blk.unsqueeze(1) == blk.unsqueeze(0)).unsqueeze(0).expand(S, Q, Q)
-    mask = torch.cat([vis_ctx, vis_blk], dim=-1).unsqueeze(1)
-    h = x
-    for layer in drafter.layers:
-        a = layer.self_attn
-        ck = apply_rotary(a.k_norm(a.k_proj(ctx).view(S, T, a.Hkv, a.D)), cos_c, sin_c).transpose(1, 2)
-        cv = a.v_proj(ctx).view(S, T, a.Hkv, a.D).transpose(1, 2)
-        h = h + a(layer.input_layernorm(h), cos_q, sin_q, ck, cv, mask)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h).view(S, N, G, -1)
+def slot_states(drafter, batch: dict, embed_w: torch.Tensor) -> torch.Tensor:
+    """The final-normed slot states [S, N, G, d] of a collated batch: the drafter's own training-shaped
+    forward (``DFlashDrafter.forward_anchored_blocks``) over the blocks embedded with the target's frozen
+    embedding ``embed_w`` [V, d]."""
+    return drafter.forward_anchored_blocks(F.embedding(batch["block_ids"], embed_w), batch["anchors"], batch["feats"])
 
 
 # ---- blocks -------------------------------------------------------------------------------------------
@@ -527,7 +498,7 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
     (the draft puts no mass outside its vocabulary: that mass, 1 - sum of p over the draft rows, counts
     fully), from the draft rows of ``lm_w`` and the batch's ``target_lse``."""
     labels, block_ids = batch["labels"], batch["block_ids"]
-    hidden = block_hidden(drafter, batch["feats"], batch["anchors"], block_ids, embed_w)  # [S, N, G, d]
+    hidden = slot_states(drafter, batch, embed_w)  # [S, N, G, d]
     S, N, G, d = hidden.shape
     valid = labels != IGNORE
     prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).clamp(min=0)  # teacher forcing

@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import assert_replay_is_decoding
 
-from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate, default_target_layer_ids,
-                                    drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights,
-                                    target_lse)
+from specserve.train.dspark import (IGNORE, block_outputs, collate, default_target_layer_ids, drafter_config,
+                                    fit_sts, init_drafter_, resolve_layer_ids, slot_states, slot_weights, target_lse)
 
 PROMPTS = ["w5 w17 w99 w3", "w200 w1 w2", "w42 w42 w7 w8 w9"]
 
@@ -65,8 +64,9 @@ def test_default_target_layer_ids():
 
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
 def test_training_forward_equals_proposer_block_forward(head_type):
-    """Every block of the packed training forward (many anchors and sequences, padding) gives the
-    slot states and Markov-corrected logits of the proposer's per-block forward over a DraftCache."""
+    """Every block of the training loss's batch (many anchors and sequences, padding; collated, embedded
+    and run through the drafter's training-shaped forward) gives the slot states and Markov-corrected
+    logits of the proposer's per-block forward over a DraftCache."""
     from specserve.spec_decode.dspark_model import draft_block
 
     d = _random_drafter(head_type=head_type).eval()
@@ -80,7 +80,7 @@ def test_training_forward_equals_proposer_block_forward(head_type):
     items = [(0, torch.tensor([4, 9, 16, 18])), (1, torch.tensor([5, 11]))]  # 18, 11: labels past the end
     batch = collate(items, samples, feats, G, 49)
     with torch.no_grad():
-        hid = block_hidden(d, batch["feats"], batch["anchors"], batch["block_ids"], embed_w)
+        hid = slot_states(d, batch, embed_w)
     for r, (i, anchors) in enumerate(items):
         ids = samples[i]["ids"]
         for n, a in enumerate(anchors.tolist()):
