@@ -37,65 +37,36 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, check_distill_temperatures, check_num_prompts,
-                                    decode_section, eval_prompt_count, evaluated_by, extra_phrase, extra_record,
-                                    feature_runner, keep_num_threads, prompt_sources, replay_by_source,
+from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, extra_phrase,
+                                    extra_record, feature_runner, keep_num_threads, prompt_sources, replay_by_source,
                                     select_draft_vocab, start_run)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
+from specserve.train.options import TrainOptions, option, positive_int
 
 IGNORE = -100
 OUTSIDE = -1  # a label outside the draft vocabulary: a miss in the accuracy, no loss
 TOPK_RECORDED = 10
 
 
-@dataclass
-class MedusaTrainArgs:
-    out: str
-    model: str | None = None
-    num_heads: int = 4
-    num_layers: int = 1
-    own_lm_head: bool = False
-    prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
-    num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
-    num_eval_prompts: int | None = None  # default: max(8, the smallest num_prompts // 10)
-    max_tokens: int = 128
-    temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
-    # one more response per training prompt for each, sampled at that temperature (> 0)
-    extra_temperatures: tuple[float, ...] = ()
-    epochs: int = 2
-    lr: float = 1e-3
-    warmup: float = 0.1  # fraction of the steps
+@dataclass(kw_only=True)
+class MedusaTrainArgs(TrainOptions):
+    num_heads: int = option(4, "Medusa heads K", type=positive_int)
+    num_layers: int = option(1, "ResBlocks per head", type=int)
+    own_lm_head: bool = option(False, "give each head its own trainable lm_head (initialised from the target's); "
+                                      "default: share the target's frozen lm_head")
+    epochs: int = option(2, "passes over the positions", type=positive_int)
+    lr: float = option(1e-3, "AdamW peak learning rate", type=float)
+    warmup: float = option(0.1, "linear warm-up, fraction of the steps", type=float)
     weight_decay: float = 0.0
     head_decay: float = 0.8  # loss weight of head k: head_decay**k
-    batch_size: int = 256  # positions per optimizer step
-    seed: int = 0
-    threads: int | None = None
-    cache_dir: str | None = None
-    gen_batch_size: int = 16
-    gen_dtype: str = "auto"  # dtype of the target while it writes the responses
-    chat: bool = True  # apply the target's chat template to the prompts
-    progress: bool = True  # tqdm bars
-    draft_vocab_size: int = 0  # 0: the whole vocabulary; else a token_map of the most frequent response tokens
-    eval_only: bool = False  # evaluate the heads already at ``out`` (no training); rewrite their README
+    batch_size: int = option(256, "positions per step", type=positive_int)
 
     def validate(self) -> None:
-        for name in ("num_heads", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().validate()
+        if int(self.num_heads) < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
-        if self.draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab_size}")
-        check_num_prompts(self)
-        if not (self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.warmup < 1):
-            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
-        check_distill_temperatures(self)
-
-    @property
-    def eval_prompts(self) -> int:
-        return eval_prompt_count(self)
 
 
 # ---- hidden states ------------------------------------------------------------------------------------

@@ -1,90 +1,81 @@
-"""The options of a DSpark / DFlash training run (``specserve train dspark``) and their checks."""
+"""The options of a DSpark / DFlash training run (``specserve train dspark``): each written once, with
+its help and command-line form (``specserve.train.options``), and their checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from specserve.spec_decode.dspark_model import MARKOV_HEAD_TYPES
-from specserve.train.common import FEATURE_DTYPES, check_distill_temperatures, check_num_prompts, eval_prompt_count
+from specserve.train.common import FEATURE_DTYPES
 from specserve.train.dspark.features import DEFAULT_NUM_TARGET_LAYERS, parse_layer_ids
+from specserve.train.options import TrainOptions, nonneg_float, nonneg_int, option, positive_int
 
 
-@dataclass
-class DSparkTrainArgs:
-    out: str
-    model: str | None = None
-    num_layers: int = 1  # draft decoder layers
-    block_size: int = 7  # gamma: anchor + gamma-1 masks -> gamma drafts
-    markov_rank: int = 64  # 0 = a DFlash baseline (no Markov head)
-    markov_head_type: str = "vanilla"
-    target_layer_ids: str | list[int] = "auto"
-    num_target_layers: int = DEFAULT_NUM_TARGET_LAYERS  # how many layers "auto" picks
-    mask_token_id: int | None = None  # default: vocab_size - 1
-    # 0 = the target's whole vocabulary; else the most frequent response tokens. With ``init_from``: grow the
-    # loaded drafter's (pruned) draft vocabulary to this size (0: keep it)
-    draft_vocab_size: int = 0
-    anchors_per_seq: int = 16
-    prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
-    num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
-    num_eval_prompts: int | None = None  # default: max(8, the smallest num_prompts // 10)
-    max_tokens: int = 128
-    temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
-    # one more response per training prompt for each, sampled at that temperature (> 0)
-    extra_temperatures: tuple[float, ...] = ()
-    epochs: int = 2
-    lr: float = 6e-4
-    warmup: float = 0.04  # fraction of the steps
+@dataclass(kw_only=True)
+class DSparkTrainArgs(TrainOptions):
+    """``shape=True``: the drafter's shape, which ``init_from`` takes from the loaded drafter instead."""
+
+    feature_dtype: str = option("float32", "dtype of the target forward that computes the drafter's input features "
+                                "(bfloat16: faster on CPUs with bfloat16 instructions, features ~2% off float32's)",
+                                choices=FEATURE_DTYPES)
+    train_dtype: str = option("float32", "float32, or bfloat16 mixed precision (autocast forward, float32 weights and "
+                              "optimiser)", choices=FEATURE_DTYPES)
+    num_layers: int = option(1, "draft decoder layers", type=positive_int, unset=True, shape=True)
+    block_size: int = option(7, "gamma: the anchor + gamma-1 masks give gamma drafts", type=positive_int, unset=True,
+                             shape=True)
+    markov_rank: int = option(64, "rank of the Markov head (0 = a DFlash baseline without it)", type=nonneg_int,
+                              unset=True, shape=True)
+    markov_head_type: str = option("vanilla", "Markov head variant", choices=MARKOV_HEAD_TYPES, unset=True,
+                                   shape=True)
+    target_layer_ids: str | list[int] = option(
+        "auto", "target layers whose outputs feed the drafter: 'auto' (--num-target-layers ids evenly spaced between "
+        "1 and L-3; [0] for a 2-layer target) or a comma list", metavar="auto|IDS", unset=True, shape=True)
+    num_target_layers: int = option(DEFAULT_NUM_TARGET_LAYERS, "how many layers 'auto' picks", type=positive_int,
+                                    unset=True, shape=True)
+    mask_token_id: int | None = option(None, "id of the mask token in the target vocabulary (default: the last id, "
+                                       "vocab_size - 1)", type=nonneg_int, shape=True)
+    # with ``init_from``, ``draft_vocab_size`` grows the loaded drafter's (pruned) draft vocabulary (0: keep it)
+    anchors_per_seq: int = option(16, "random anchor positions (blocks) per sequence per epoch", type=positive_int)
+    epochs: int = option(2, "passes over the sequences", type=positive_int)
+    lr: float = option(6e-4, "AdamW peak learning rate", type=float)
+    warmup: float = option(0.04, "linear warm-up, fraction of the steps", type=float)
     weight_decay: float = 0.0
-    batch_size: int = 8  # sequences per optimizer step (each with anchors_per_seq blocks)
+    batch_size: int = option(8, "sequences per step, each with --anchors-per-seq blocks", type=positive_int)
     loss_decay: float = 4.0  # w_k = exp(-(k-1)/loss_decay)
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0
     grad_clip: float = 1.0
-    seed: int = 0  # the prompts' held-out split and the self-distillation's sampling
-    # the training loop's randomness (random initial weights, the order of the sequences, the anchors);
-    # None: ``seed``. Another value lets a continued run (``init_from``) draw new anchors over the same data
-    train_seed: int | None = None
-    threads: int | None = None
-    cache_dir: str | None = None
-    gen_batch_size: int = 16
-    gen_dtype: str = "auto"  # dtype of the target while it writes the responses
-    feature_dtype: str = "float32"  # dtype of the target forward that computes the features
-    train_dtype: str = "float32"  # float32 | bfloat16 (mixed precision: autocast, float32 master weights)
-    chat: bool = True
-    progress: bool = True
-    eval_only: bool = False  # evaluate the drafter already at ``out`` (no training); rewrite its README
-    # start from the drafter at this path (any format ``load_dspark_checkpoint`` reads) instead of random
-    # weights: its config decides the shape, layers, mask token and draft vocabulary, and the architecture
-    # fields above are ignored
-    init_from: str | None = None
-    # with ``init_from``: this many more decoder layers after the loaded ones, their output projections
-    # zero (the grown drafter starts as the loaded one), then all trained
-    add_layers: int = 0
-    # the training loop's state is saved in the cache every this many minutes (0: never), and the same run
-    # started again continues from it (``resume``), ending with the weights of an uninterrupted run
-    save_every_min: float = 10.0
-    resume: bool = True
+    train_seed: int | None = option(
+        None, "seed of the training loop alone (random initial weights, order of the sequences, anchors) while --seed "
+        "keeps the held-out split and the responses: e.g. a run continued with --init-from on the same data draws "
+        "new anchors instead of the last run's (default: --seed)", type=int, metavar="N")
+    init_from: str | None = option(
+        None, "start from the drafter at DIR (DeepSpec, speculators or z-lab format) instead of random weights, e.g. "
+        "to train the shipped one further or on your own prompts: DIR's config gives the shape, target layers, mask "
+        "token and draft vocabulary (so none of --num-layers, --block-size, --markov-rank, --markov-head-type, "
+        "--target-layer-ids, --num-target-layers, --mask-token-id; --draft-vocab-size N grows its pruned draft "
+        "vocabulary to N: its tokens and the most frequent other ones of the new responses)", metavar="DIR")
+    add_layers: int = option(0, "with --init-from: grow the drafter by N decoder layers after its own, their output "
+                             "projections zero so it starts as the loaded drafter, then train them all",
+                             type=nonneg_int, metavar="N")
+    save_every_min: float = option(10.0, "save the training loop's state in the cache every MIN minutes (0: never): "
+                                   "the same command run again after the process was stopped continues from it and "
+                                   "writes the weights an uninterrupted run would have written",
+                                   flag="--save-every", type=nonneg_float, metavar="MIN")
+    resume: bool = option(True, "train from the start even when a saved state of the same run is in the cache",
+                          flag="--no-resume")
 
     def validate(self) -> None:
-        for name in ("num_layers", "block_size", "anchors_per_seq", "max_tokens", "epochs",
-                     "batch_size", "gen_batch_size", "num_target_layers"):
+        super().validate()
+        for name in ("num_layers", "block_size", "anchors_per_seq", "num_target_layers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
-        if self.draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the target's vocabulary), "
-                             f"got {self.draft_vocab_size}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
                              f"got {self.markov_head_type!r}")
-        check_num_prompts(self)
-        if not (self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.warmup < 1):
-            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
-        check_distill_temperatures(self)
         if not (self.loss_decay > 0):
             raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
         for name in ("feature_dtype", "train_dtype"):
@@ -100,7 +91,3 @@ class DSparkTrainArgs:
             raise ValueError(f"add_layers must be >= 0, got {self.add_layers}")
         if self.add_layers and self.init_from is None:
             raise ValueError("add_layers grows the drafter of init_from: pass init_from too")
-
-    @property
-    def eval_prompts(self) -> int:
-        return eval_prompt_count(self)
