@@ -25,6 +25,9 @@ import contextlib
 import hashlib
 import math
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +35,12 @@ from typing import Callable
 
 import torch
 
+from specserve.engine.model_runner import DTYPES, ModelRunner
+from specserve.llm import LLM
 from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, save_atomic,
                                   self_distill, split_prompts)
+from specserve.train.instructions import load_instruction_prompts
+from specserve.train.sharegpt import load_sharegpt_prompts
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
@@ -69,14 +76,10 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
         held_p = load_prompts("heldout", num_eval_prompts, seed)
         desc = CHITCHAT_DESC
     elif source == "instructions":
-        from specserve.train.instructions import load_instruction_prompts
-
         train_p = load_instruction_prompts("train", num_prompts, seed)
         held_p = load_instruction_prompts("heldout", num_eval_prompts, seed)
         desc = INSTRUCTIONS_DESC
     elif source == "sharegpt":
-        from specserve.train.sharegpt import load_sharegpt_prompts
-
         train_p = load_sharegpt_prompts("train", num_prompts, seed)
         held_p = load_sharegpt_prompts("heldout", num_eval_prompts, seed)
         desc = SHAREGPT_DESC
@@ -166,8 +169,6 @@ FEATURE_DTYPES = ("float32", "bfloat16")
 def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
     When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
-    from specserve.engine.model_runner import DTYPES, ModelRunner
-
     runner = llm.engine.runner
     want = DTYPES[dtype]
     kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want)  # "auto": None
@@ -289,8 +290,6 @@ def start_run(args) -> TrainRun:
     arguments: threads, seed, cache_dir, prompts_file (one source or a list, ``prompt_sources``),
     num_prompts (one count for all sources or one per source, ``source_counts``) and eval_prompts (per
     source), model, gen_dtype, gen_batch_size)."""
-    from specserve import LLM
-
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -383,9 +382,6 @@ class TrainState:
         """Inside, SIGINT (Ctrl-C) and SIGTERM ask the loop to save its state at the end of the step it
         is in and stop, rather than lose the steps since the last save; a second signal stops at once.
         Only where signals can be caught (the main thread) and a state is kept at all."""
-        import signal
-        import threading
-
         if self.every_s is None or threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -492,3 +488,32 @@ def evaluated_by(meta: dict) -> str:
     return (f"\nThe held-out figures on this page were recomputed after training, on the weights as saved, by "
             f"`{e['command']}` ({e['total_s']:.0f} s; the responses and features came from the cache when it "
             "held them).\n")
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    """A tqdm bar on stderr, or None when disabled or tqdm is not installed."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0,
+                    initial=initial)
+    except ImportError:
+        return None
+
+
+def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
+    head = model.lm_head
+    V = model.config.vocab_size
+    w = head.weight.detach()[:V].float()
+    b = head.bias.detach()[:V].float() if head.bias is not None else None
+    return w, b
+
+
+def round_to_bf16_(module) -> None:
+    """Round a module's parameters to bfloat16 in place (what a checkpoint stores), kept in their dtype."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))

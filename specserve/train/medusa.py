@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,9 +36,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve.layers.attention import ForwardContext
+from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
+from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, extra_phrase,
-                                    extra_record, feature_runner, keep_num_threads, prompt_sources, replay_by_source,
-                                    select_draft_vocab, start_run)
+                                    extra_record, feature_runner, keep_num_threads, progress_bar, prompt_sources,
+                                    replay_by_source, round_to_bf16_, select_draft_vocab, start_run,
+                                    target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
@@ -76,12 +79,10 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
     """Final normed hidden state [T_i, d] (float32) of every position of each sequence: one cache-free
     causal forward per batch of sequences. Sequences are right-padded within a batch; under a causal
     mask padding never changes the real positions."""
-    from specserve.layers.attention import ForwardContext
-
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: list[torch.Tensor | None] = [None] * len(samples)
     dev = next(model.parameters()).device
-    bar = _bar(len(samples), "hidden states", progress)
+    bar = progress_bar(len(samples), "hidden states", progress)
     i = 0
     while i < len(order):
         T = len(samples[order[i]]["ids"])
@@ -152,15 +153,6 @@ def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: 
 
 
 # ---- the heads' logits --------------------------------------------------------------------------------
-def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
-    head = model.lm_head
-    V = model.config.vocab_size
-    w = head.weight.detach()[:V].float()
-    b = head.bias.detach()[:V].float() if head.bias is not None else None
-    return w, b
-
-
 def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None) -> torch.Tensor:
     """h [B, d] -> logits [B, K, V] (float32); one matmul for all heads when the lm_head is shared."""
     states = heads.head_states(h)
@@ -187,7 +179,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     loss = torch.zeros(K, dtype=torch.float64)
     n = torch.zeros(K, dtype=torch.float64)
     base_hits = base_n = 0.0
-    bar = _bar(len(H), "evaluate", progress)
+    bar = progress_bar(len(H), "evaluate", progress)
     for a in range(0, len(H), batch_size):
         h, y = H[a : a + batch_size], labels[a : a + batch_size]
         logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
@@ -263,7 +255,7 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     heads.train()
     for ep in range(epochs):
         perm = torch.randperm(N, generator=gen)
-        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
+        bar = progress_bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
         tot_loss = 0.0
         hits = torch.zeros(K)
         cnt = torch.zeros(K)
@@ -303,13 +295,6 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     return {"epoch_loss": epoch_loss, "epoch_top1": epoch_top1, "step_loss": step_loss, "steps": total}
 
 
-def round_to_bf16_(heads) -> None:
-    """Round the heads' parameters to bfloat16 in place (what ``save`` writes), kept as float32."""
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-
-
 # ---- the whole command --------------------------------------------------------------------------------
 def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_log) -> dict:
     """Self-distil, cache hidden states, train, evaluate on held-out prompts, save. Returns a dict with
@@ -321,8 +306,6 @@ def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_l
 
 
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
-    from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
-
     run = start_run(args)
     t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
     data_desc, gen_dtype = run.data_desc, run.gen_dtype
@@ -349,8 +332,6 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     V = cfg_t.vocab_size
     vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
     if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
-        from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
-
         mcfg, sd = load_medusa_checkpoint(args.out, cfg_t.hidden_size, V)
         heads = MedusaHeads(mcfg, dtype=torch.float32)
         heads.load_state(sd)
@@ -572,15 +553,3 @@ do not use them.
 specserve generate --chat --prompt "..." --speculative-method medusa --speculative-model {out}
 ```
 """
-
-
-def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0,
-                    initial=initial)
-    except ImportError:
-        return None

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.train.common import replay_by_source
+from specserve.train.common import progress_bar, replay_by_source
 from specserve.train.data import DataError
 from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights
-from specserve.train.medusa import _bar
 
 
 @torch.no_grad()
@@ -33,7 +32,7 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
     cols = {k: [] for k in ("cstar", "conf_logit", "hit")}
     valid_all = []
     loss_sum, w_sum = 0.0, 0.0
-    bar = _bar(len(items), "evaluate", progress)
+    bar = progress_bar(len(items), "evaluate", progress)
     for b in range(0, len(items), batch_size):
         chunk = items[b : b + batch_size]
         batch = collate(chunk, samples, feats, gamma, mask_token_id)

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.attention import ForwardContext
-from specserve.train.common import fingerprint
+from specserve.train.common import fingerprint, progress_bar
 from specserve.train.data import _model_fingerprint, cached_chunks, cached_torch
-from specserve.train.medusa import _bar
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 
@@ -68,7 +67,7 @@ def compute_target_features(model, samples: list[dict], layer_ids, max_batch_tok
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: list = [None] * len(samples)
     dev = next(model.parameters()).device
-    bar = _bar(len(samples), "target features", progress)
+    bar = progress_bar(len(samples), "target features", progress)
     i = 0
     while i < len(order):
         j = i + 1

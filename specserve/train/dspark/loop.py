@@ -7,10 +7,9 @@ import time
 
 import torch
 
-from specserve.train.common import TrainingStopped, TrainState, adamw_cosine
+from specserve.train.common import TrainingStopped, TrainState, adamw_cosine, progress_bar
 from specserve.train.data import DataError
 from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights
-from specserve.train.medusa import _bar
 
 
 def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
@@ -91,7 +90,7 @@ class _Loop:
             order = [self.usable[j] for j in torch.randperm(len(self.usable), generator=self.gen).tolist()]
             sums = [0.0, torch.zeros(G, dtype=torch.float64), torch.zeros(G, dtype=torch.float64), 0]
         start = self.first_step if ep == self.first_ep else 0
-        bar = _bar(self.steps_per_epoch, f"epoch {ep + 1}/{self.epochs}", self.progress, initial=start)
+        bar = progress_bar(self.steps_per_epoch, f"epoch {ep + 1}/{self.epochs}", self.progress, initial=start)
         for s in range(start, self.steps_per_epoch):
             lv = self._step(order[s * self.batch_size : (s + 1) * self.batch_size], sums)
             if bar:

@@ -16,7 +16,7 @@ import torch
 from specserve.spec_decode.dspark_formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark_model import DFlashDrafter
 from specserve.train.common import (TrainState, by_source, feature_runner, fingerprint, keep_num_threads,
-                                    prompt_sources, select_draft_vocab, start_run)
+                                    prompt_sources, round_to_bf16_, select_draft_vocab, start_run, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, stderr_log
 from specserve.train.dspark.calibration import fit_sts
 from specserve.train.dspark.checkpoint import checkpoint_config, save_checkpoint
@@ -27,7 +27,6 @@ from specserve.train.dspark.features import cached_target_features, resolve_laye
 from specserve.train.dspark.loop import train_drafter
 from specserve.train.dspark.options import DSparkTrainArgs
 from specserve.train.dspark.report import heldout_meta, readme, summary, training_meta
-from specserve.train.medusa import round_to_bf16_, target_lm_head
 
 
 def train_dspark(args: DSparkTrainArgs, command: str | None = None, log=stderr_log) -> dict:
