@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from specserve.engine.model_runner import DTYPES, ModelRunner
+from specserve.layers.attention import ForwardContext
 from specserve.llm import LLM
 from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, save_atomic,
                                   self_distill, split_prompts)
@@ -517,3 +518,34 @@ def round_to_bf16_(module) -> None:
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+@torch.inference_mode()
+def target_forwards(model, samples: list[dict], aux_layers=(), max_batch_tokens: int = 4096, progress: bool = False,
+                    desc: str = "target forward"):
+    """The target over every sequence, in cache-free causal forwards of right-padded batches of similar
+    lengths (under a causal mask padding never changes the real positions). Yields per batch (the
+    sequence indices, final normed hidden [B, T, d], the outputs of ``aux_layers`` as the model returns
+    them)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    dev = next(model.parameters()).device
+    bar = progress_bar(len(samples), desc, progress)
+    i = 0
+    while i < len(order):
+        j = i + 1  # sorted by length: the last one in a batch is the longest
+        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
+            j += 1
+        batch = order[i:j]
+        T = max(len(samples[b]["ids"]) for b in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, b in enumerate(batch):
+            s = samples[b]["ids"]
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
+        hidden, aux = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None), aux_layers)
+        yield batch, hidden, aux
+        if bar:
+            bar.update(len(batch))
+        i = j
+    if bar:
+        bar.close()

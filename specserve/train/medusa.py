@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.attention import ForwardContext
 from specserve.spec_decode.medusa_formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa_heads import MedusaConfig, MedusaHeads
 from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, extra_phrase,
                                     extra_record, feature_runner, keep_num_threads, progress_bar, prompt_sources,
                                     replay_by_source, round_to_bf16_, select_draft_vocab, start_run,
-                                    target_lm_head)
+                                    target_forwards, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
@@ -79,31 +78,10 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
     """Final normed hidden state [T_i, d] (float32) of every position of each sequence: one cache-free
     causal forward per batch of sequences. Sequences are right-padded within a batch; under a causal
     mask padding never changes the real positions."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: list[torch.Tensor | None] = [None] * len(samples)
-    dev = next(model.parameters()).device
-    bar = progress_bar(len(samples), "hidden states", progress)
-    i = 0
-    while i < len(order):
-        T = len(samples[order[i]]["ids"])
-        j = i + 1  # sorted by length: the last one in a batch is the longest
-        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
-            j += 1
-        batch = order[i:j]
-        T = max(len(samples[b]["ids"]) for b in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        for r, b in enumerate(batch):
-            s = samples[b]["ids"]
-            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
-        hidden, _ = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None))
+    for batch, hidden, _ in target_forwards(model, samples, (), max_batch_tokens, progress, "hidden states"):
         for r, b in enumerate(batch):
             out[b] = hidden[r, : len(samples[b]["ids"])].float().cpu().clone()
-        if bar:
-            bar.update(len(batch))
-        i = j
-    if bar:
-        bar.close()
     return out  # type: ignore[return-value]
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.attention import ForwardContext
-from specserve.train.common import fingerprint, progress_bar
+from specserve.train.common import fingerprint, target_forwards
 from specserve.train.data import _model_fingerprint, cached_chunks, cached_torch
 
 DEFAULT_NUM_TARGET_LAYERS = 5
@@ -64,34 +63,14 @@ def compute_target_features(model, samples: list[dict], layer_ids, max_batch_tok
     """Per sequence: (outputs of ``layer_ids`` concatenated [T, m*d] bfloat16, final normed hidden
     [T, d] float32), from one cache-free causal forward per batch of right-padded sequences."""
     layers = tuple(sorted(layer_ids))
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: list = [None] * len(samples)
-    dev = next(model.parameters()).device
-    bar = progress_bar(len(samples), "target features", progress)
-    i = 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
-            j += 1
-        batch = order[i:j]
-        T = max(len(samples[b]["ids"]) for b in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        for r, b in enumerate(batch):
-            s = samples[b]["ids"]
-            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
-        hidden, aux = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None), layers)
+    for batch, hidden, aux in target_forwards(model, samples, layers, max_batch_tokens, progress, "target features"):
         if len(aux) != len(layers):
             raise RuntimeError(f"the target returned {len(aux)} layer outputs for layers {list(layers)}")
         feats = torch.cat(aux, dim=-1)
         for r, b in enumerate(batch):
             n = len(samples[b]["ids"])
             out[b] = (feats[r, :n].to(torch.bfloat16).cpu().clone(), hidden[r, :n].float().cpu().clone())
-        if bar:
-            bar.update(len(batch))
-        i = j
-    if bar:
-        bar.close()
     return out
 
 
