@@ -8,7 +8,9 @@
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``feature_runner``: a ``ModelRunner`` of the target in the features' dtype (float32 unless asked
-  otherwise) for feature extraction (the generation engine's own when it already runs in that dtype).
+  otherwise) for feature extraction (the generation engine's own when it already runs in that dtype);
+  ``target_forwards``: its batched cache-free forwards over every sequence; ``target_lm_head``: its
+  frozen lm_head.
 - ``adamw_cosine``: both trainers' optimiser (AdamW, linear warm-up then cosine decay).
 - ``start_run`` / ``TrainRun`` / ``keep_num_threads``: the opening both trainers share (threads, seed,
   cache, prompts, the target loaded for generation) and their thread-count restore.
@@ -17,6 +19,11 @@
 - ``TrainState`` / ``fingerprint``: a long training run's state on disk, saved every few minutes at a
   step boundary, so that the same command run again after the process was stopped continues from it and
   ends with the weights an uninterrupted run would have written.
+- ``progress_bar``, ``round_to_bf16_`` (the weights as a checkpoint stores them), the replayed greedy
+  decoding and the README sections both trainers write.
+
+The options both trainers take, and how their command-line flags are made, are in
+``specserve.train.options``.
 """
 
 from __future__ import annotations

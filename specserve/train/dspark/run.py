@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,7 +46,7 @@ class Job:
     target's frozen lm_head and embedding (the target itself is released after the features)."""
 
     args: DSparkTrainArgs
-    log: object
+    log: Callable[[str], None]
     t_start: float
     timings: dict
     cache_dir: Path
@@ -57,14 +58,14 @@ class Job:
     mask_id: int
     saved: tuple | None  # eval_only / init_from: (config, state dict, config.json) of the drafter read
     grow_from: torch.Tensor | None  # init_from with draft_vocab_size: the loaded draft vocabulary, to grow
-    train_s: list = None
-    held_s: list = None
-    held_sizes: list = None
-    f_train: list = None
-    f_held: list = None
-    lm_w: torch.Tensor = None
+    train_s: list | None = None
+    held_s: list | None = None
+    held_sizes: list | None = None
+    f_train: list | None = None
+    f_held: list | None = None
+    lm_w: torch.Tensor | None = None
     lm_b: torch.Tensor | None = None
-    embed_w: torch.Tensor = None
+    embed_w: torch.Tensor | None = None
     vocab_cover: float = 1.0
 
     @property
