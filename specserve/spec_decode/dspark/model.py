@@ -630,11 +630,11 @@ class DFlashAttention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = None
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [n, d] -> k, v [Hkv, n, D] (k normed per head and rotated at its positions)."""
-        n = x.shape[0]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.Hkv, self.D)), cos, sin)
-        v = self.v_proj(x).view(n, self.Hkv, self.D)
-        return k.transpose(0, 1), v.transpose(0, 1)
+        """x [..., n, d] -> k, v [..., Hkv, n, D] (k normed per head and rotated at its positions)."""
+        shape = (*x.shape[:-1], self.Hkv, self.D)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        v = self.v_proj(x).view(shape)
+        return k.transpose(-3, -2), v.transpose(-3, -2)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """A batch of S rows of Q block tokens each: x [S, Q, d] (after input_layernorm), cos/sin
@@ -765,7 +765,8 @@ class DFlashDrafter(nn.Module):
     Embedding and (full-vocabulary) lm_head are the target's, passed at call time.
 
     ``forward_blocks`` runs one block per sequence for a batch of sequences (each with its own
-    ``DraftCache``, the contexts padded and masked) in one forward; ``forward_block`` is one of them."""
+    ``DraftCache``, the contexts padded and masked) in one forward; ``forward_block`` is one of them;
+    ``forward_anchored_blocks`` is the trainer's shape (many blocks per sequence over its whole context)."""
 
     def __init__(self, cfg: DSparkConfig, tp: TPGroup | None = None, dtype=torch.float32,
                  markov_replicate: bool = True):
@@ -886,7 +887,32 @@ class DFlashDrafter(nn.Module):
         if n and not bool(visible.all()):
             mask = torch.cat([visible.unsqueeze(1).expand(S, B, n),
                               visible.new_ones(S, B, B)], dim=-1).unsqueeze(1)  # [S, 1, B, n + B]
-        h = x
+        return self._decode(x, cos, sin, kv, mask)
+
+    def forward_anchored_blocks(self, x: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The training shape: N blocks of each of S sequences over its whole context, in one differentiable
+        forward. x [S, N, B, d]: block input embeddings; anchors [S, N]: the position of each block's first
+        slot; features [S, T, m*d]: each sequence's context features at positions 0 .. T-1 (zero past its
+        end) -> final-normed hidden [S, N, B, d]. Block (s, n) sees row s's context at positions
+        < anchors[s, n] and itself, bidirectionally, not the other blocks: what ``forward_blocks`` gives it
+        over a ``DraftCache`` holding that context."""
+        S, N, B = x.shape[:3]
+        T, dtype, dev = features.shape[1], self.norm.weight.dtype, features.device
+        x = x.reshape(S, N * B, -1).to(dtype)
+        pos = (anchors.unsqueeze(-1) + torch.arange(B, device=dev)).reshape(S, N * B)
+        ctx = self.context_features(features)  # [S, T, d]
+        cpos = torch.arange(T, device=dev).unsqueeze(0).expand(S, T)
+        cos, sin = self.rotary.cos_sin(pos, dtype)
+        cos_c, sin_c = self.rotary.cos_sin(cpos, dtype)
+        vis_ctx = cpos.unsqueeze(1) < anchors.repeat_interleave(B, dim=1).unsqueeze(2)  # [S, N*B, T]
+        blk = torch.arange(N, device=dev).repeat_interleave(B)
+        vis_blk = (blk.unsqueeze(1) == blk.unsqueeze(0)).unsqueeze(0).expand(S, N * B, N * B)
+        mask = torch.cat([vis_ctx, vis_blk], dim=-1).unsqueeze(1)
+        kv = [layer.self_attn.project_kv(ctx, cos_c, sin_c) for layer in self.layers]
+        return self._decode(x, cos, sin, kv, mask).view(S, N, B, -1)
+
+    def _decode(self, h, cos, sin, kv, mask) -> torch.Tensor:
+        """The decoder layers over the projected context ``kv`` (one (k, v) per layer), then the final norm."""
         for layer, (ck, cv) in zip(self.layers, kv):
             h = layer(h, cos, sin, ck, cv, mask)
         return self.norm(h)
