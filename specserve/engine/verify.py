@@ -77,8 +77,8 @@ class Verifier:
     """Turns the target's logits into emitted tokens. ``sampling_mode`` "coupled": random rows by
     position-keyed draws (a seeded request's tokens are plain decoding's); "rejection": vLLM's rejection
     sampler and recursive tree sampling. ``lossy_verify``: a drafter's opt-in lossy tree rule for random
-    rows (or None). ``compact(row, src_positions, dst_start)``: moves a tree's accepted path's K/V to
-    consecutive positions."""
+    rows (or None; a random row's chain is verified by it as a path tree). ``compact(row, src_positions,
+    dst_start)``: moves a tree's accepted path's K/V to consecutive positions."""
 
     def __init__(self, sampling_mode: str, lossy_verify, compact):
         self.sampling_mode, self.lossy_verify, self.compact = sampling_mode, lossy_verify, compact
@@ -112,7 +112,7 @@ class Verifier:
         chain_rows = []
         for b, s in enumerate(seqs):
             tree = drafts.trees[b]
-            if tree is None and self.lossy_verify is not None and not s.params.greedy:  # the lossy rule: trees
+            if tree is None and drafts.chains[b] and self.lossy_verify is not None and not s.params.greedy:
                 tree = TreeDraft([s.output_ids[-1]] + drafts.chains[b], path_tree(len(drafts.chains[b])))
             if tree is not None:
                 results[b] = self._tree(b, s, tree, logits, sb, starts[b])

@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_walk
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.dspark.model import DSparkConfig, expected_state_shapes
-
-from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_walk
+from specserve.spec_decode.dspark.config import DSparkConfig, expected_state_shapes
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 

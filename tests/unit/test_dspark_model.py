@@ -16,18 +16,11 @@ from safetensors.torch import save_file
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup
 from specserve.models.loader import CheckpointError
+from specserve.spec_decode.dspark.config import DSparkConfig, d2t_from_t2d, expected_state_shapes
+from specserve.spec_decode.dspark.drafting import draft_block, draft_blocks, draft_trees
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
-from specserve.spec_decode.dspark.model import (
-    ConfidenceHead,
-    DFlashDrafter,
-    DSparkConfig,
-    MarkovHead,
-    d2t_from_t2d,
-    draft_block,
-    draft_blocks,
-    draft_trees,
-    expected_state_shapes,
-)
+from specserve.spec_decode.dspark.heads import ConfidenceHead, MarkovHead
+from specserve.spec_decode.dspark.model import DFlashDrafter
 
 D, H, HKV, HD, V, R, BLOCK, VD = 32, 4, 2, 8, 50, 4, 4, 40
 LAYER_IDS = [0, 2]
@@ -646,8 +639,8 @@ def test_fused_projections_draft_as_unfused(attention_bias, packed):
     """What the drafting worker runs (``fuse_projections``, then oneDNN packing on a CPU) drafts what the
     drafter as loaded drafts: the same block hidden states (within float rounding), tokens and
     confidences, with and without attention biases (which the fused GEMMs must carry)."""
-    from specserve.layers.packing import pack_linears
     from specserve.layers.linear import mkldnn_packing_available
+    from specserve.layers.packing import pack_linears
 
     if packed and not mkldnn_packing_available(torch.float32):
         pytest.skip("no oneDNN weight packing here")

@@ -67,7 +67,7 @@ def test_training_forward_equals_proposer_block_forward(head_type):
     """Every block of the training loss's batch (many anchors and sequences, padding; collated, embedded
     and run through the drafter's training-shaped forward) gives the slot states and Markov-corrected
     logits of the proposer's per-block forward over a DraftCache."""
-    from specserve.spec_decode.dspark.model import draft_block
+    from specserve.spec_decode.dspark.drafting import draft_block
 
     d = _random_drafter(head_type=head_type).eval()
     G, V = d.cfg.block_size, d.cfg.vocab_size

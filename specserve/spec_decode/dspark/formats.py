@@ -34,7 +34,7 @@ import torch
 
 from specserve.config import UnsupportedModelError, _rope_scaling
 from specserve.models.loader import CheckpointError, read_json_object, read_tensors, weight_files
-from specserve.spec_decode.dspark.model import DSparkConfig, d2t_from_t2d, expected_state_shapes
+from specserve.spec_decode.dspark.config import DSparkConfig, d2t_from_t2d, expected_state_shapes
 
 __all__ = ["load_dspark_checkpoint", "detect_format", "SUPPORTED_FORMATS"]
 

@@ -18,7 +18,7 @@ sampling), ``dspark_verify``:
 
 ``dspark_tree`` (default None: a chain) drafts a tree instead, verified with tree attention
 (``specserve.sample.tree``): the block forward gives each depth its base logits once, and every
-branch gets the Markov bias of its own previous token (``dspark_model.draft_trees``): depth 1 holds
+branch gets the Markov bias of its own previous token (``drafting.draft_trees``): depth 1 holds
 the ``dspark_tree_topk`` (default 4) best tokens, each further depth the ``dspark_tree_topk`` children
 of the ``dspark_tree_beam`` (default 4) best nodes of the depth before. Each node is scored by the
 estimated probability that its whole path is accepted (calibrated confidences for greedy requests,
@@ -72,8 +72,9 @@ from specserve.spec_decode.cost_model import (
     tree_profile_sizes,
 )
 from specserve.spec_decode.dspark.config import DSparkOptions
+from specserve.spec_decode.dspark.drafting import calibrate_confidences
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
-from specserve.spec_decode.dspark.model import DFlashDrafter, calibrate_confidences
+from specserve.spec_decode.dspark.model import DFlashDrafter
 from specserve.spec_decode.model_drafter import ModelDrafter
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
 from specserve.spec_decode.tree_select import merge_branches, split_items
@@ -384,13 +385,13 @@ class DSparkProposer(ModelDrafter):
 
     @property
     def plans_branches(self) -> bool:
-        """``dspark_tree: "auto"`` weighs the engine's n-gram branch tokens with its own candidates."""
+        """``dspark_tree: "auto"`` weighs the n-gram branch tokens (``ngram.branches``) with its own candidates."""
         return self.tree_size == "auto"
 
     def _propose_trees(self, seqs, rows: list[int], budget: list[int], branches=None) -> Proposal:
         """Each request's best candidate nodes as a tree: a fixed number (``dspark_tree`` an int) or as
         many as the cost model finds worth verifying (``"auto"``), then with the chosen nodes of its
-        n-gram ``branches`` (``ngram.merge_branches``) when the engine offers them."""
+        n-gram ``branches`` (``tree_select.merge_branches``) when they are offered."""
         temps = [None if seqs[b].params.greedy else float(seqs[b].params.temperature) for b in rows]
         t0 = time.perf_counter()
         cand = self.target.call_helper(

@@ -288,7 +288,7 @@ class MedusaProposer(ModelDrafter):
 
     @property
     def plans_branches(self) -> bool:
-        """Dynamic trees weigh the engine's n-gram branch tokens with their own candidates."""
+        """Dynamic trees weigh the n-gram branch tokens (``ngram.branches``) with their own candidates."""
         return self._candidates is not None
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
@@ -318,7 +318,7 @@ class MedusaProposer(ModelDrafter):
 
     def _merge_branches(self, top: torch.Tensor, score: torch.Tensor, order: torch.Tensor, branches) -> list[tuple]:
         """One request's candidate paths (``top`` [D, topk] its heads' tokens; ``score``/``order`` from
-        ``path_scores``) and n-gram branches as ``ngram.merge_branches`` items."""
+        ``path_scores``) and n-gram branches as ``tree_select.merge_branches`` items."""
         c = self._candidates
         tokens = top.gather(1, c["ranks"].t().to(top.device)).t().tolist()  # [P, D]: each path's tokens
         paths = [tuple(tok[:d]) for tok, d in zip(tokens, c["depth"].tolist())]

@@ -31,12 +31,23 @@ embedding, and a rarely used id keeps a mask apart from frequent anchors.
 
 from specserve.train.dspark.calibration import ece, fit_sts
 from specserve.train.dspark.checkpoint import checkpoint_config, save_checkpoint
-from specserve.train.dspark.drafter import (draft_vocab_ids, drafter_config, grow_draft_vocab, grow_drafter_,
-                                            init_drafter_, set_draft_vocab_)
+from specserve.train.dspark.drafter import (
+                                            draft_vocab_ids,
+                                            drafter_config,
+                                            grow_draft_vocab,
+                                            grow_drafter_,
+                                            init_drafter_,
+                                            set_draft_vocab_,
+)
 from specserve.train.dspark.evaluate import acceptance_summary, evaluate_drafter
-from specserve.train.dspark.features import (cached_target_features, compute_target_features,
-                                             default_target_layer_ids, parse_layer_ids, resolve_layer_ids,
-                                             target_lse)
+from specserve.train.dspark.features import (
+                                            cached_target_features,
+                                            compute_target_features,
+                                            default_target_layer_ids,
+                                            parse_layer_ids,
+                                            resolve_layer_ids,
+                                            target_lse,
+)
 from specserve.train.dspark.loop import train_drafter
 from specserve.train.dspark.loss import IGNORE, anchor_range, block_outputs, collate, slot_states, slot_weights
 from specserve.train.dspark.options import DSparkTrainArgs

@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from specserve.spec_decode.dspark.model import DSparkConfig, draft_target_ids
+from specserve.spec_decode.dspark.config import DSparkConfig
+from specserve.spec_decode.dspark.drafting import draft_target_ids
 
 
 def drafter_config(tcfg, *, num_layers: int, block_size: int, layer_ids: list[int], mask_token_id: int,

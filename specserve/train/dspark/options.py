@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.spec_decode.dspark.model import MARKOV_HEAD_TYPES
+from specserve.spec_decode.dspark.config import MARKOV_HEAD_TYPES
 from specserve.train.common import FEATURE_DTYPES
 from specserve.train.dspark.features import DEFAULT_NUM_TARGET_LAYERS, parse_layer_ids
 from specserve.train.options import TrainOptions, nonneg_float, nonneg_int, option, positive_int

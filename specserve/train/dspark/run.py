@@ -16,13 +16,30 @@ import torch
 
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.model import DFlashDrafter
-from specserve.train.common import (TrainState, by_source, feature_runner, fingerprint, keep_num_threads,
-                                    prompt_sources, round_to_bf16_, select_draft_vocab, start_run, target_lm_head)
+from specserve.train.common import (
+    TrainState,
+    by_source,
+    feature_runner,
+    fingerprint,
+    keep_num_threads,
+    prompt_sources,
+    round_to_bf16_,
+    select_draft_vocab,
+    start_run,
+    target_lm_head,
+)
 from specserve.train.data import DataError, _model_fingerprint, stderr_log
 from specserve.train.dspark.calibration import fit_sts
 from specserve.train.dspark.checkpoint import checkpoint_config, save_checkpoint
-from specserve.train.dspark.drafter import (draft_vocab_ids, drafter_config, grow_draft_vocab, grow_drafter_,
-                                            growable_vocab, init_drafter_, set_draft_vocab_)
+from specserve.train.dspark.drafter import (
+    draft_vocab_ids,
+    drafter_config,
+    grow_draft_vocab,
+    grow_drafter_,
+    growable_vocab,
+    init_drafter_,
+    set_draft_vocab_,
+)
 from specserve.train.dspark.evaluate import evaluate_drafter
 from specserve.train.dspark.features import cached_target_features, resolve_layer_ids, target_lse
 from specserve.train.dspark.loop import train_drafter
