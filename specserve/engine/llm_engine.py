@@ -211,9 +211,11 @@ class LLMEngine:
             if not last:
                 break  # a chunk of a long prompt took the budget
             tokens = self.verifier.next_tokens(group, out.logits)
-            for s, x, t in zip(group, group_ids, tokens):
+            for i, (s, x, t) in enumerate(zip(group, group_ids, tokens)):
                 if not s.output_ids:  # a new sequence (a recomputed one decodes on from its last token)
                     s.append_tokens([t])
+                    if s.logprobs is not None:
+                        s.record_logprobs(out.logits[i : i + 1], [t])
                 if self.prefix_caching:
                     self.runner.register_prefix(s.slot, x, s.num_computed)
                 self._join(s)
@@ -329,7 +331,10 @@ class LLMEngine:
                                       [a[b, idx] for a in out.aux], reset=False)
             for toks, key in matches[b]:
                 self.branch_acceptance.observe(key, toks, emitted)
-            emitted_total += s.append_tokens(emitted)
+            kept = s.append_tokens(emitted)
+            if s.logprobs is not None:  # emitted[j] was chosen from the logits of position kept_idx[j]
+                s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
+            emitted_total += kept
         self.stats.decode_tokens += emitted_total
 
     @property
