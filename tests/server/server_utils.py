@@ -26,11 +26,10 @@ SPECS = {
 
 
 @contextlib.contextmanager
-def serving(llm: LLM, api_key: str | None = None, limits: Limits | None = None, max_num_queued_requests: int = 256,
-            max_header_bytes: int = 32 * 1024):
+def serving(llm: LLM, api_key: str | None = None, limits: Limits | None = None, max_num_queued_requests: int = 256):
     """Serve ``llm``'s engine until the block ends; yields (base URL, ServerState)."""
     state = ServerState(EngineLoop(llm.engine), MODEL, limits or Limits(), api_key, max_num_queued_requests)
-    server = UvicornServer(state, "127.0.0.1", 0, max_header_bytes)
+    server = UvicornServer(state, "127.0.0.1", 0)
     url = server.start_in_thread()
     try:
         yield url, state

@@ -4,6 +4,7 @@ ignored), the server's caps on a request, and the translation of a request into 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
@@ -18,7 +19,7 @@ Number = Union[StrictInt, StrictFloat]
 class Limits:
     """What one request may ask for (``specserve serve`` flags): choices per request, tokens per
     choice (None: up to max_model_len), logprob alternatives, stop strings and their length, prompts
-    per request, body bytes."""
+    per request, body bytes, request line + header bytes."""
 
     max_n: int = 16
     max_tokens: int | None = None
@@ -27,6 +28,7 @@ class Limits:
     max_stop_len: int = 256
     max_prompts: int = 64
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 32 * 1024
 
 
 class RequestError(Exception):
@@ -108,11 +110,14 @@ class DetokenizeRequest(_Body):
     tokens: list[StrictInt]
 
 
+# the members of a union in pydantic's error locations (``prompt.list[int].0``): not field names
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """pydantic's first error as (one line naming the field, the field's name)."""
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if not str(x).startswith(("function-", "list[", "str", "int",
-                                                                        "float", "bool", "union["))]
+    loc = [str(x) for x in e.get("loc", ()) if not _TYPE_TAG.match(str(x))]
     field = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
     return (f"{field}: {msg}" if field else msg), (loc[0] if loc else None)

@@ -33,7 +33,8 @@ from specserve.entrypoints.openai.protocol import (ChatRequest, CompletionReques
 log = logging.getLogger("specserve.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
+               429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable"}
 
 
@@ -68,16 +69,20 @@ class ServerState:
 
 
 class Guard:
-    """ASGI middleware run before any route: the API key (constant-time comparison) and the declared
-    body size."""
+    """ASGI middleware run before any route: header size (h11's own cap only catches headers that
+    arrive in pieces), the API key (constant-time comparison) and the declared body size."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body = app, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_header_bytes: int):
+        self.app, self.max_body, self.max_header = app, max_body_bytes, max_header_bytes
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
+            raw = scope.get("headers") or []
+            if sum(len(k) + len(v) + 4 for k, v in raw) + len(scope.get("raw_path") or b"") > self.max_header:
+                r = error_response(f"request headers larger than {self.max_header} bytes", 431)
+                return await r(scope, receive, send)
+            headers = dict(raw)
             if self.key is not None:
                 auth = headers.get(b"authorization", b"")
                 given = auth[7:] if auth[:7].lower() == b"bearer " else b""
@@ -127,7 +132,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.state.specserve = state
-    app.add_middleware(Guard, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes)
+    app.add_middleware(Guard, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes,
+                       max_header_bytes=state.limits.max_header_bytes)
     tok = state.engine.tokenizer
 
     @app.exception_handler(RequestError)
@@ -226,12 +232,12 @@ def create_app(state: ServerState) -> FastAPI:
             where = f"prompt {i}: " if len(items) > 1 else ""
             check_ids(ids, engine.model_config.vocab_size, "prompt", where)
             mt = max_tokens
-            if mt is not None and len(ids) + mt > engine.max_model_len:
-                raise RequestError(f"{where}prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds max_model_len "
-                                   f"({engine.max_model_len})", param="max_tokens")
             if len(ids) >= engine.max_model_len:
                 raise RequestError(f"{where}prompt has {len(ids)} tokens; max_model_len is {engine.max_model_len}",
                                    param="prompt" if not chat else "messages")
+            if mt is not None and len(ids) + mt > engine.max_model_len:
+                raise RequestError(f"{where}prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds max_model_len "
+                                   f"({engine.max_model_len})", param="max_tokens")
             plist = sampling_params(req, mt if mt is not None else engine.max_model_len - len(ids), logprobs,
                                     state.limits, engine.max_model_len)
             for j, p in enumerate(plist):
@@ -412,12 +418,13 @@ class UvicornServer:
     listens, and in-flight requests aborted as soon as a stop is asked for (Ctrl-C, SIGTERM)."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 8000,
-                 max_header_bytes: int = 32 * 1024, log_level: str = "warning", on_ready=None):
+                 log_level: str = "warning", on_ready=None):
         import uvicorn
 
         self.state = state
         config = uvicorn.Config(create_app(state), host=host, port=port, http="h11", lifespan="on",
-                                h11_max_incomplete_event_size=max_header_bytes, log_level=log_level,
+                                h11_max_incomplete_event_size=state.limits.max_header_bytes,
+                                log_level=log_level,
                                 timeout_graceful_shutdown=10, access_log=False)
         outer = self
 
@@ -485,7 +492,7 @@ def serve_from_args(args, llm_kwargs: dict) -> int:
     llm = LLM(**llm_kwargs)
     try:
         limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens_cap, max_stop=args.max_stop,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes)
         state = ServerState(EngineLoop(llm.engine), name, limits, api_key, args.max_num_queued_requests)
         spec = llm.engine.proposer.name
 
@@ -495,7 +502,7 @@ def serve_from_args(args, llm_kwargs: dict) -> int:
                   f"{', API key required' if api_key else ''})", flush=True)
             print("[specserve] ready", flush=True)
 
-        server = UvicornServer(state, args.host, args.port, args.max_header_bytes, args.log_level, ready)
+        server = UvicornServer(state, args.host, args.port, args.log_level, ready)
         server.run()
         if not server.server.started:
             print(f"error: could not listen on {args.host}:{args.port}", file=sys.stderr, flush=True)
