@@ -437,6 +437,9 @@ class UvicornServer:
             def handle_exit(self, sig, frame):
                 outer.state.loop.abort_all()  # open streams end now, so the graceful stop is quick
                 super().handle_exit(sig, frame)
+                # uvicorn raises the signal again once it stopped, which would kill the process before the
+                # engine (and its tensor-parallel workers) shut down: the stop is ours to finish
+                getattr(self, "_captured_signals", []).clear()
 
         self.server = _Server(config)
 
