@@ -325,6 +325,32 @@ def _add_serve_parser(sub) -> None:
                    help="uvicorn's log level (default warning)")
     s.set_defaults(func=cmd_serve)
 
+    b = sub.add_parser("bench-serve", help="load OpenAI-compatible servers at fixed concurrencies, with a plot",
+                       description="Send streamed chat requests (temperature 0) to servers at fixed concurrencies "
+                                   "and report output tokens/s, time to first token, inter-token and end-to-end "
+                                   "latency percentiles side by side, with a PNG. The servers run already "
+                                   "(--server) or are started here one after the other (--configs). See "
+                                   "docs/serving.md.")
+    b.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
+                   help="a running server, e.g. plain=http://127.0.0.1:8000 (repeat for more)")
+    b.add_argument("--configs", default=None, metavar="C[,C...]",
+                   help="start `specserve serve` for each speculative configuration in turn: none, ngram, medusa, "
+                        "medusa-tree, dspark, dspark-auto, dspark-tree, or LABEL={json} entries separated by ';' "
+                        "(default when no --server: none,medusa-tree)")
+    b.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more flags for the servers started here, e.g. '--threads 2 --max-num-seqs 8'")
+    b.add_argument("--concurrency", default="1,2,4,8", metavar="N[,N...]", help="levels (default 1,2,4,8)")
+    b.add_argument("--num-requests", type=_positive_int, default=16,
+                   help="requests per level (at least the concurrency; default 16)")
+    b.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens per request at most (default 64)")
+    b.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help="as `specserve bench --prompts` (default: the built-in set), sent as chat messages")
+    b.add_argument("--api-key", default=None, help="the servers' API key, if any")
+    b.add_argument("--out", default="bench-serve.png", metavar="PNG", help="the plot (default bench-serve.png)")
+    b.add_argument("--json", default=None, metavar="OUT", help="write the rows as JSON to OUT")
+    b.set_defaults(func=cmd_bench_serve)
+
 
 def _add_train_medusa_parser(tsub) -> None:
     m = tsub.add_parser(
@@ -510,6 +536,39 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise CLIError(f"serving needs the 'serve' extra (pip install -e '.[serve]'): {e}") from None
     return serve_from_args(args, engine_kwargs(args))
+
+
+def cmd_bench_serve(args) -> int:
+    import shlex
+
+    from specserve.bench.harness import load_prompts
+    from specserve.bench.serve_bench import format_table, parse_configs, plot, run, write_json
+
+    servers = []
+    for s in args.server:
+        label, sep, url = s.partition("=")
+        if not sep or not url.startswith("http"):
+            raise CLIError(f"--server: expected LABEL=URL (e.g. plain=http://127.0.0.1:8000), got {s!r}")
+        servers.append((label, url))
+    configs = parse_configs(args.configs if args.configs is not None else ("" if servers else "none,medusa-tree"))
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        raise CLIError(f"--concurrency: expected a comma list of integers, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise CLIError(f"--concurrency: levels must be >= 1, got {args.concurrency!r}")
+    rows = run(servers, configs, levels, args.num_requests, args.max_tokens, load_prompts(args.prompts),
+               shlex.split(args.serve_args), args.api_key, args.ignore_eos,
+               log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"streamed chat requests, temperature 0, max {args.max_tokens} tokens, {args.num_requests} requests per "
+          "level; ITL = (last token - first token) / (tokens - 1) per request")
+    print(format_table(rows), flush=True)
+    plot(rows, args.out, f"specserve bench-serve: max {args.max_tokens} tokens, {args.num_requests} requests/level")
+    print(f"wrote {args.out}")
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
 
 
 def cmd_convert(args) -> int:
