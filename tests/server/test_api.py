@@ -113,6 +113,10 @@ def test_plain_routes(plain_server, ref_llm):
     assert t["tokens"] == ref_llm.tokenizer.apply_chat_template(msgs)
     d = httpx.post(url + "/detokenize", json={"tokens": ref_llm.tokenizer.encode("Hello world")}).json()
     assert d["prompt"] == "Hello world"
+    spec = httpx.get(url + "/openapi.json").json()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert {"ChatRequest", "ChatMessage", "StreamOptions"} <= set(spec["components"]["schemas"])
     c.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     text = httpx.get(url + "/metrics").text
     for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",

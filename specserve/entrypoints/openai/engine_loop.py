@@ -35,6 +35,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    status: int = 500  # the HTTP status of ``error``
 
 
 class Request:
@@ -67,6 +68,7 @@ class EngineLoop:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False  # the engine thread has ended and takes no more commands
 
     # ---- called from the event loop (or any thread) --------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -80,8 +82,13 @@ class EngineLoop:
 
     def add(self, reqs: list[Request]) -> None:
         with self._lock:
-            self.pending += len(reqs)
-        self.inbox.put(("add", reqs))
+            if not self._closed:
+                self.pending += len(reqs)
+                self.inbox.put(("add", reqs))
+                return
+        for r in reqs:  # the engine thread has ended: nothing would ever answer
+            r.done = True
+            r.out.put_nowait(Delta(r.index, error="the engine is not running", status=503))
 
     def abort(self, reqs: list[Request]) -> None:
         """Stop these requests (the client left): their KV blocks are given back at the next step boundary."""
@@ -118,10 +125,32 @@ class EngineLoop:
             log.exception("engine fault")
             self.dead = f"engine fault: {type(e).__name__}"
             for r in self.active:
+                r.done = True
                 self._push(r, Delta(r.index, error="the engine failed while running this request"))
-            self._abort(self.active)
+            for r in self.active:
+                try:
+                    self.engine.abort(r.seq)
+                except Exception:
+                    pass
+            self.active = []
         else:
             self.dead = "the engine loop stopped"
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """No more commands: requests still on the inbox are answered with an error."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                cmd, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                for r in arg:
+                    r.done = True
+                    self._push(r, Delta(r.index, error="the engine is not running", status=503))
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when there is nothing to run. False: stop."""

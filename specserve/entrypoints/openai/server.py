@@ -131,6 +131,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.loop.stop()
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
+    body = openapi_bodies(app, [CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest])
     app.state.specserve = state
     app.add_middleware(Guard, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes,
                        max_header_bytes=state.limits.max_header_bytes)
@@ -183,7 +184,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body[TokenizeRequest])
     async def tokenize(request: HTTPRequest):
         req = await read_json(request, TokenizeRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -193,7 +194,7 @@ def create_app(state: ServerState) -> FastAPI:
                else chat_ids(tok, req.messages, req.add_generation_prompt))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body[DetokenizeRequest])
     async def detokenize(request: HTTPRequest):
         req = await read_json(request, DetokenizeRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -201,7 +202,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     # ---- generation ----------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body[CompletionRequest])
     async def completions(request: HTTPRequest):
         req = await read_json(request, CompletionRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -210,7 +211,7 @@ def create_app(state: ServerState) -> FastAPI:
         items = [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in prompts]
         return await generate(request, req, items, req.max_tokens, req.logprobs, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body[ChatRequest])
     async def chat_completions(request: HTTPRequest):
         req = await read_json(request, ChatRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -284,7 +285,7 @@ def create_app(state: ServerState) -> FastAPI:
                     return Response(status_code=499)
                 continue
             if d.error is not None:
-                raise RequestError(d.error, 500)
+                raise RequestError(d.error, d.status)
             c = choices[d.index]
             c["text"] += d.text
             c["ids"] += d.token_ids
@@ -324,7 +325,7 @@ def create_app(state: ServerState) -> FastAPI:
             while left:
                 d: Delta = await q.get()
                 if d.error is not None:
-                    yield f"data: {json.dumps(error_body(d.error, 500))}\n\n"
+                    yield f"data: {json.dumps(error_body(d.error, d.status))}\n\n"
                     break
                 if not d.text and not d.token_ids and d.finish_reason is None:
                     continue
@@ -350,6 +351,30 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 STARTED = int(time.time())
+
+
+def openapi_bodies(app: FastAPI, models: list) -> dict:
+    """The request-body schemas of routes that read their body themselves (``read_json``), for
+    ``/openapi.json``: per model its ``openapi_extra``; the schemas join the app's components."""
+    from fastapi.openapi.utils import get_openapi
+
+    defs, extras = {}, {}
+    for m in models:
+        schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
+        defs.update(schema.pop("$defs", {}))
+        defs[m.__name__] = schema
+        extras[m] = {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{m.__name__}"}}}}}
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return extras
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
