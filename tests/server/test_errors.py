@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from specserve import LLM
+from specserve.entrypoints.openai.protocol import Limits
 
 from server_utils import MODEL, client, serving
 
@@ -43,6 +44,7 @@ def _check_error(r: httpx.Response, status: int, param: str | None = "any"):
 BAD = [  # (route, body, status, param)
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 3.5}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "n": True}, 400, "n"),
     ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
@@ -73,12 +75,11 @@ BAD = [  # (route, body, status, param)
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, 400, "messages"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
-    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt"),
 ]
 
 
@@ -104,10 +105,25 @@ def test_bad_inputs_then_a_good_request(llm):
             _check_error(h.post("/v1/completions", content=chunks()), 413)
             r = h.get("/health", headers={"X-Big": "y" * 100_000})  # header size cap (h11)
             _check_error(r, 431)
-            r = h.post("/v1/completions", json={**GOOD, "unknown_field": {"a": 1}, "user": "u1"})
+            r = h.post("/v1/completions", json={**GOOD, "unknown_field": {"a": 1}, "user": "u1", "max_tokens": 3.0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             assert h.get("/health").status_code == 200
         assert state.inflight == 0
+
+
+def test_caps(llm):
+    """A request without max_tokens gets what is left of max_model_len within the server's cap; caps
+    beyond it are 400s naming the field."""
+    with serving(llm, limits=Limits(max_tokens=5, max_n=2, max_stop=1, max_prompts=2)) as (url, _):
+        with httpx.Client(base_url=url, timeout=30) as h:
+            r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Tell me a story."}],
+                                                     "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            for body, param in (({**GOOD, "max_tokens": 6}, "max_tokens"), ({**GOOD, "n": 3}, "n"),
+                                ({**GOOD, "stop": ["a", "b"]}, "stop"),
+                                ({**GOOD, "prompt": ["a", "b", "c"]}, "prompt")):
+                _check_error(h.post("/v1/completions", json=body), 400, param)
 
 
 def test_api_key_on_every_route(llm):

@@ -8,11 +8,24 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from specserve.config import MAX_LOGPROBS, SamplingParams
 
 Number = Union[StrictInt, StrictFloat]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 @dataclass
@@ -47,18 +60,33 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+def _integral(v):
+    """JSON's integers: an int, or a float with no fraction (1.0); never a bool or a string."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("Input should be a valid integer")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Positive = Annotated[Int, Field(ge=1)]
+TokenId = Annotated[Int, Field(ge=0)]
+Text = Annotated[StrictStr, Field(min_length=1)]
+
+
 class _Sampling(_Body):
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    seed: StrictInt | None = None
+    max_tokens: Positive | None = None
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    seed: Annotated[Int, Field(ge=-(2**63), lt=2**63)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: Positive = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -66,12 +94,14 @@ class _Sampling(_Body):
     include_stop_str_in_output: StrictBool = False
 
 
-Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+# a string, strings, token ids, lists of token ids: none empty
+Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
 
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    logprobs: StrictInt | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class TextPart(_Body):
@@ -91,13 +121,15 @@ class ChatMessage(_Body):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
 
 
 class TokenizeRequest(_Body):
+    """``prompt`` or ``messages`` (neither: no tokens)."""
+
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -107,7 +139,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: Annotated[list[TokenId], Field(min_length=1)]
 
 
 # the members of a union in pydantic's error locations (``prompt.list[int].0``): not field names

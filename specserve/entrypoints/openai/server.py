@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.entrypoints.openai.engine_loop import Delta, EngineLoop, Request
 from specserve.entrypoints.openai.metrics import ServerMetrics
-from specserve.entrypoints.openai.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, Limits,
-                                                   RequestError, TokenizeRequest, sampling_params,
-                                                   validation_message)
+from specserve.entrypoints.openai.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
+                                                   ErrorResponse, Limits, RequestError, TokenizeRequest,
+                                                   sampling_params, validation_message)
 
 log = logging.getLogger("specserve.serve")
 
@@ -41,6 +41,17 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": status}}
+
+
+GENERATION_ERRORS = (400, 404, 413, 429, 500, 503)
+STREAMED = {200: {"description": "the response, or with stream: server-sent events",
+                  "content": {"application/json": {}, "text/event-stream": {}}}}
+
+
+def errors(*statuses: int) -> dict:
+    """OpenAPI ``responses`` of a route: these statuses and those of every route (401, 431)."""
+    return {s: {"model": ErrorResponse, "description": ERROR_TYPES.get(s, "error")}
+            for s in sorted({*statuses, 401, 431})}
 
 
 def error_response(message: str, status: int, param: str | None = None, headers: dict | None = None):
@@ -148,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
-        return error_response(str(e.detail), e.status_code)
+        return error_response(str(e.detail), e.status_code, headers=e.headers)  # 405: its Allow header
 
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):
@@ -165,36 +176,36 @@ def create_app(state: ServerState) -> FastAPI:
             raise RequestError("the engine is not running", 503)
 
     # ---- plain routes ----------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health():
         if not state.loop.alive:
             return error_response(state.loop.dead or "the engine is not running", 503)
-        return Response(status_code=200)
+        return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", responses=errors())
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors())
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": STARTED,
                                             "owned_by": "specserve", "max_model_len": state.engine.max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=errors())
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize", openapi_extra=body[TokenizeRequest])
+    @app.post("/tokenize", openapi_extra=body[TokenizeRequest], responses=errors(400, 404, 413))
     async def tokenize(request: HTTPRequest):
         req = await read_json(request, TokenizeRequest, state.limits.max_body_bytes)
         check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise RequestError("give one of prompt and messages", param="prompt")
-        ids = (tok.encode(req.prompt, req.add_special_tokens) if req.prompt is not None
-               else chat_ids(tok, req.messages, req.add_generation_prompt))
+        if req.prompt is not None and req.messages is not None:
+            raise RequestError("give one of prompt and messages, not both", param="prompt")
+        ids = (chat_ids(tok, req.messages, req.add_generation_prompt) if req.messages is not None
+               else tok.encode(req.prompt or "", req.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
 
-    @app.post("/detokenize", openapi_extra=body[DetokenizeRequest])
+    @app.post("/detokenize", openapi_extra=body[DetokenizeRequest], responses=errors(400, 404, 413))
     async def detokenize(request: HTTPRequest):
         req = await read_json(request, DetokenizeRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -202,7 +213,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     # ---- generation ----------------------------------------------------------------------------
-    @app.post("/v1/completions", openapi_extra=body[CompletionRequest])
+    @app.post("/v1/completions", openapi_extra=body[CompletionRequest], responses=STREAMED | errors(*GENERATION_ERRORS))
     async def completions(request: HTTPRequest):
         req = await read_json(request, CompletionRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -211,7 +222,7 @@ def create_app(state: ServerState) -> FastAPI:
         items = [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in prompts]
         return await generate(request, req, items, req.max_tokens, req.logprobs, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=body[ChatRequest])
+    @app.post("/v1/chat/completions", openapi_extra=body[ChatRequest], responses=STREAMED | errors(*GENERATION_ERRORS))
     async def chat_completions(request: HTTPRequest):
         req = await read_json(request, ChatRequest, state.limits.max_body_bytes)
         check_model(req.model)
@@ -220,8 +231,6 @@ def create_app(state: ServerState) -> FastAPI:
                 and req.max_tokens != req.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens differ; give one", param="max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if req.top_logprobs is not None and not req.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         items = [(None, chat_ids(tok, req.messages, req.add_generation_prompt))]
         return await generate(request, req, items, max_tokens, logprobs, chat=True)
@@ -239,8 +248,9 @@ def create_app(state: ServerState) -> FastAPI:
             if mt is not None and len(ids) + mt > engine.max_model_len:
                 raise RequestError(f"{where}prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds max_model_len "
                                    f"({engine.max_model_len})", param="max_tokens")
-            plist = sampling_params(req, mt if mt is not None else engine.max_model_len - len(ids), logprobs,
-                                    state.limits, engine.max_model_len)
+            if mt is None:  # what is left of max_model_len, within the server's cap
+                mt = min(engine.max_model_len - len(ids), state.limits.max_tokens or engine.max_model_len)
+            plist = sampling_params(req, mt, logprobs, state.limits, engine.max_model_len)
             for j, p in enumerate(plist):
                 try:
                     engine.check_request(ids, p)
