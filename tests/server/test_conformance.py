@@ -24,7 +24,7 @@ def _schemathesis() -> str | None:
     return str(exe) if exe.exists() else shutil.which("schemathesis")
 
 
-def test_schemathesis_conformance():
+def test_schemathesis_conformance(tmp_path):
     exe = _schemathesis()
     if exe is None:
         pytest.skip("schemathesis is not installed (pip install schemathesis==4.32.5)")
@@ -34,7 +34,8 @@ def test_schemathesis_conformance():
         with serving(llm, api_key="k", limits=Limits(max_tokens=4, max_n=2, max_prompts=4)) as (url, state):
             r = subprocess.run([exe, "run", url + "/openapi.json", "-H", "Authorization: Bearer k", "--checks", "all",
                                 "--exclude-checks", "positive_data_acceptance", "--max-examples", "10", "--seed", "1",
-                                "--no-color"], capture_output=True, text=True, timeout=600)
+                                "--no-color"], capture_output=True, text=True, timeout=600,
+                               cwd=tmp_path)  # its cache directory goes there
             assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
             assert "API Operations" in r.stdout
             assert state.loop.alive  # no generated request hurt the engine
