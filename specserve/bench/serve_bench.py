@@ -249,3 +249,34 @@ def run(servers: list[tuple[str, str]], configs: list[tuple[str, dict | None]], 
 def write_json(rows: list[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([asdict(r) for r in rows], f, indent=1)
+
+
+def main(args) -> int:
+    """``specserve bench-serve`` (its flags: ``entrypoints/cli.py``)."""
+    from specserve.bench.harness import load_prompts
+
+    servers = []
+    for s in args.server:
+        label, sep, url = s.partition("=")
+        if not sep or not url.startswith("http"):
+            raise BenchServeError(f"--server: expected LABEL=URL (e.g. plain=http://127.0.0.1:8000), got {s!r}")
+        servers.append((label, url))
+    configs = parse_configs(args.configs if args.configs is not None else ("" if servers else "none,medusa-tree"))
+    try:
+        levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        raise BenchServeError(f"--concurrency: expected a comma list of integers, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise BenchServeError(f"--concurrency: levels must be >= 1, got {args.concurrency!r}")
+    rows = run(servers, configs, levels, args.num_requests, args.max_tokens, load_prompts(args.prompts),
+               shlex.split(args.serve_args), args.api_key, args.ignore_eos,
+               log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"streamed chat requests, temperature 0, max {args.max_tokens} tokens, {args.num_requests} requests per "
+          "level; ITL = (last token - first token) / (tokens - 1) per request")
+    print(format_table(rows), flush=True)
+    plot(rows, args.out, f"specserve bench-serve: max {args.max_tokens} tokens, {args.num_requests} requests/level")
+    print(f"wrote {args.out}")
+    if args.json:
+        write_json(rows, args.json)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0

@@ -539,36 +539,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    import shlex
+    from specserve.bench.serve_bench import main as bench_serve
 
-    from specserve.bench.harness import load_prompts
-    from specserve.bench.serve_bench import format_table, parse_configs, plot, run, write_json
-
-    servers = []
-    for s in args.server:
-        label, sep, url = s.partition("=")
-        if not sep or not url.startswith("http"):
-            raise CLIError(f"--server: expected LABEL=URL (e.g. plain=http://127.0.0.1:8000), got {s!r}")
-        servers.append((label, url))
-    configs = parse_configs(args.configs if args.configs is not None else ("" if servers else "none,medusa-tree"))
-    try:
-        levels = [int(x) for x in args.concurrency.split(",")]
-    except ValueError:
-        raise CLIError(f"--concurrency: expected a comma list of integers, got {args.concurrency!r}") from None
-    if not levels or min(levels) < 1:
-        raise CLIError(f"--concurrency: levels must be >= 1, got {args.concurrency!r}")
-    rows = run(servers, configs, levels, args.num_requests, args.max_tokens, load_prompts(args.prompts),
-               shlex.split(args.serve_args), args.api_key, args.ignore_eos,
-               log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"streamed chat requests, temperature 0, max {args.max_tokens} tokens, {args.num_requests} requests per "
-          "level; ITL = (last token - first token) / (tokens - 1) per request")
-    print(format_table(rows), flush=True)
-    plot(rows, args.out, f"specserve bench-serve: max {args.max_tokens} tokens, {args.num_requests} requests/level")
-    print(f"wrote {args.out}")
-    if args.json:
-        write_json(rows, args.json)
-        print(f"wrote {len(rows)} rows to {args.json}")
-    return 0
+    return bench_serve(args)
 
 
 def cmd_convert(args) -> int:

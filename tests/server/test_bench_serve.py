@@ -37,3 +37,14 @@ def test_a_small_run(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     write_json(rows, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())[1]["concurrency"] == 2
+
+
+def test_usage_errors(capsys):
+    from specserve.entrypoints.cli import main
+
+    assert main(["bench-serve", "--server", "no-url"]) == 2
+    assert "expected LABEL=URL" in capsys.readouterr().err
+    assert main(["bench-serve", "--configs", "none", "--concurrency", "1,x"]) == 2
+    assert "--concurrency" in capsys.readouterr().err
+    assert main(["serve", "a_model_dir", "--model", "another"]) == 2
+    assert "two models given" in capsys.readouterr().err
