@@ -1,6 +1,8 @@
 """The OpenAI API of ``specserve serve`` against offline plain decoding: usage, finish reasons, token-id
 and batched prompts, n > 1, logprobs, chat, and the plain routes."""
 
+import re
+
 import httpx
 import pytest
 
@@ -117,8 +119,17 @@ def test_plain_routes(plain_server, ref_llm):
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
     assert {"ChatRequest", "ChatMessage", "StreamOptions"} <= set(spec["components"]["schemas"])
-    c.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    def counter(text, name):
+        m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = httpx.get(url + "/metrics").text
+    r = c.completions.create(model=MODEL, prompt=["Hi", "Hello there"], max_tokens=3, n=2)
     text = httpx.get(url + "/metrics").text
+    for name, grew in (("vllm:generation_tokens_total", 12), ("vllm:time_to_first_token_seconds_count", 4),
+                       ("vllm:inter_token_latency_seconds_count", 8),  # per token after the first
+                       ("vllm:prompt_tokens_total", 2 * r.usage.prompt_tokens)):  # each choice prefills its prompt
+        assert counter(text, name) - counter(before, name) == grew, name
     for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
