@@ -159,12 +159,17 @@ def check_number(name: str, value) -> None:
         raise TypeError(f"{name} must be a number, got {value!r}")
 
 
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters (vLLM names).
 
     temperature: >= 0; 0 means greedy. top_p: (0, 1]. top_k: -1/0 (off) or >= 1.
     min_p: [0, 1]. max_tokens: >= 1. seed: None or an int (own generator per request).
+    logprobs: None, or record the target's log-probability of each emitted token and its ``logprobs``
+    most likely alternatives (0..20; ``Sequence.logprobs``).
     """
 
     n: int = 1
@@ -179,9 +184,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("n", "top_k", "seed", "max_tokens"):
+        for name in ("n", "top_k", "seed", "max_tokens", "logprobs"):
             check_int(name, getattr(self, name), none_ok=name != "n")
         for name in ("temperature", "top_p", "min_p"):
             check_number(name, getattr(self, name))
@@ -215,6 +221,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} or None, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

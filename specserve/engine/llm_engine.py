@@ -198,9 +198,11 @@ class LLMEngine:
             if not last:
                 break  # a chunk of a long prompt took the budget
             tokens = self.verifier.next_tokens(group, out.logits)
-            for s, x, t in zip(group, group_ids, tokens):
+            for i, (s, x, t) in enumerate(zip(group, group_ids, tokens)):
                 if not s.output_ids:  # a new sequence (a recomputed one decodes on from its last token)
                     s.append_tokens([t])
+                    if s.logprobs is not None:
+                        s.record_logprobs(out.logits[i : i + 1], [t])
                 if self.prefix_caching:
                     self.runner.register_prefix(s.slot, x, s.num_computed)
                 self._join(s)
@@ -293,7 +295,10 @@ class LLMEngine:
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
                 self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
                                       [a[b, idx] for a in out.aux], reset=False)
-            emitted_total += s.append_tokens(emitted)
+            kept = s.append_tokens(emitted)
+            if s.logprobs is not None:  # emitted[j] was chosen from the logits of position kept_idx[j]
+                s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
+            emitted_total += kept
         self.stats.decode_tokens += emitted_total
 
     def get_metrics(self) -> dict:

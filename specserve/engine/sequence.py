@@ -64,6 +64,9 @@ class Sequence:
         self._prefix = 0
         self._read = len(self._ctx)
         self._max_stop = max((len(s) for s in params.stop), default=0)
+        # params.logprobs set: per output token (its target logprob, [(id, logprob)] of the top alternatives)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
+            [] if params.logprobs is not None else None)
 
     @property
     def all_ids(self) -> list[int]:
@@ -86,6 +89,17 @@ class Sequence:
             kept += 1
             self._check_stop(int(t))
         return kept
+
+    def record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """``tokens[j]`` was emitted from the target's raw ``logits[j]`` [n, V]: keep its log-probability
+        (log-softmax of the target's logits, whatever the sampling settings) and the top alternatives."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1))[:, 0].tolist()
+        k = self.params.logprobs or 0
+        top = lp.topk(k, dim=-1) if k else None
+        for j, v in enumerate(chosen):
+            alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
+            self.logprobs.append((v, alts))
 
     def _finish(self, reason: str, stop_reason=None) -> None:
         if not isinstance(stop_reason, str):  # flush bytes held back for an incomplete character

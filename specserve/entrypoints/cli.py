@@ -1,4 +1,5 @@
-"""The ``specserve`` command: ``generate``, ``convert``, ``bench``, ``perplexity``, ``demo`` and ``train``.
+"""The ``specserve`` command: ``generate``, ``serve``, ``bench-serve``, ``convert``, ``bench``, ``perplexity``,
+``demo`` and ``train``.
 
 Errors a user can fix (a missing model path, a bad argument, a value the engine rejects) print
 ``error: <message>`` to stderr and exit with status 2, without a traceback."""
@@ -19,6 +20,7 @@ from specserve.spec_decode.ngram.branches import POOLED_BRANCHES as DEMO_BRANCHE
 from specserve.train.dspark import DSparkTrainArgs, train_dspark
 from specserve.train.medusa import MedusaTrainArgs, train_medusa
 from specserve.train.options import add_options, from_namespace, given
+from specserve.train.options import nonneg_int as _nonneg_int
 from specserve.train.options import positive_int as _positive_int
 
 EXIT_USAGE = 2
@@ -94,6 +96,36 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"dspark\", \"dspark_tree\": \"auto\"}'; the flags above add to it")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (``generate`` and ``serve``): model, dtype, device, quantization, sampling mode,
+    tensor parallelism, threads, batch and cache sizes, speculative decoding."""
+    _add_model_args(p, quantization="one")
+    p.add_argument("--sampling-mode", choices=SAMPLING_MODES, default="coupled",
+                   help="coupled (default): a seeded request gives plain decoding's tokens for that seed with any "
+                        "drafter; rejection: vLLM's rejection sampler (exact in distribution)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                   help="sequences decoded together at most (default 16)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="prompt + output tokens per sequence at most (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB of paged KV cache (default: room for max-num-seqs x max-model-len, at most a quarter "
+                        "of the memory)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share the KV blocks of common prompt prefixes")
+    _add_spec_args(p)
+
+
+def engine_kwargs(args) -> dict:
+    """``LLM(...)`` keyword arguments from the engine's flags (``_add_engine_args``)."""
+    return dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device,
+                quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching)
+
+
 def speculative_config_from_args(args) -> dict | None:
     """``--speculative-config`` with ``--speculative-method``/``-model``/``--num-speculative-tokens`` added
     (a flag that contradicts the JSON is an error); None: plain decoding."""
@@ -125,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
                        description="Generate text for one prompt, streamed to stdout; stats go to stderr.")
-    _add_model_args(g, quantization="one")
+    _add_engine_args(g)
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     g.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate at most (default 128)")
@@ -134,15 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
-    g.add_argument("--sampling-mode", choices=SAMPLING_MODES, default="coupled",
-                   help="coupled (default): a seeded request gives plain decoding's tokens for that seed with any "
-                        "drafter; rejection: vLLM's rejection sampler (exact in distribution)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
-    g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     g.add_argument("--stop", nargs="+", action="extend", default=None, metavar="STR",
                    help="stop strings (not included in the output)")
-    _add_spec_args(g)
     g.set_defaults(func=cmd_generate)
+
+    _add_serve_parser(sub)
 
     c = sub.add_parser("convert", help="convert a .gguf file to an HF model directory")
     c.add_argument("gguf", metavar="IN.gguf")
@@ -230,6 +258,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)",
+                       description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize) "
+                                   "with continuous batching and the engine's speculative decoding. Ctrl-C or "
+                                   "SIGTERM aborts the requests in flight and stops. See docs/serving.md.")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=_nonneg_int, default=8000, help="port (default 8000; 0: any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route (default: $SPECSERVE_API_KEY, else open)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from the path)")
+    s.add_argument("--max-num-queued-requests", type=_nonneg_int, default=256,
+                   help="sequences that may wait beyond --max-num-seqs; more get 429 with Retry-After (default 256)")
+    s.add_argument("--max-n", type=_positive_int, default=16, help="choices per request at most (default 16)")
+    s.add_argument("--max-tokens-cap", type=_positive_int, default=None,
+                   help="max_tokens a request may ask for (default: max-model-len)")
+    s.add_argument("--max-stop", type=_positive_int, default=16, help="stop strings per request at most (default 16)")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
+                   help="request body size at most (default 1 MiB; larger: 413)")
+    s.add_argument("--max-header-bytes", type=_positive_int, default=32 * 1024,
+                   help="request line + headers size at most (default 32 KiB)")
+    s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's log level (default warning)")
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench-serve", help="load OpenAI-compatible servers at fixed concurrencies, with a plot",
+                       description="Send streamed chat requests (temperature 0) to servers at fixed concurrencies "
+                                   "and report output tokens/s, time to first token, inter-token and end-to-end "
+                                   "latency percentiles side by side, with a PNG. The servers run already "
+                                   "(--server) or are started here one after the other (--configs). See "
+                                   "docs/serving.md.")
+    b.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
+                   help="a running server, e.g. plain=http://127.0.0.1:8000 (repeat for more)")
+    b.add_argument("--configs", default=None, metavar="C[,C...]",
+                   help="start `specserve serve` for each speculative configuration in turn: the bench's presets "
+                        "(specserve bench --help), or LABEL={json} entries separated by ';' "
+                        "(default when no --server: none,medusa-tree-dynamic)")
+    b.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more flags for the servers started here, e.g. '--threads 2 --max-num-seqs 8'")
+    b.add_argument("--concurrency", default="1,2,4,8", metavar="N[,N...]", help="levels (default 1,2,4,8)")
+    b.add_argument("--num-requests", type=_positive_int, default=16,
+                   help="requests per level (at least the concurrency; default 16)")
+    b.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens per request at most (default 64)")
+    b.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help="as `specserve bench --prompts` (default: the built-in set), sent as chat messages")
+    b.add_argument("--api-key", default=None, help="the servers' API key, if any")
+    b.add_argument("--out", default="bench-serve.png", metavar="PNG", help="the plot (default bench-serve.png)")
+    b.add_argument("--json", default=None, metavar="OUT", help="write the rows as JSON to OUT")
+    b.set_defaults(func=cmd_bench_serve)
+
+
 def _add_train_medusa_parser(tsub) -> None:
     m = tsub.add_parser(
         "medusa", help="Medusa-1 heads on the frozen target",
@@ -279,9 +362,7 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-              num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device,
-              quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode)
+    llm = LLM(**engine_kwargs(args))
     try:
         if args.chat:
             prompt = {"prompt": args.prompt,
@@ -303,6 +384,24 @@ def cmd_generate(args) -> int:
     finally:
         llm.shutdown()
     return 0
+
+
+def cmd_serve(args) -> int:
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise CLIError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+        args.model = args.model_arg
+    try:
+        from specserve.entrypoints.openai.server import serve_from_args
+    except ImportError as e:
+        raise CLIError(f"serving needs the 'serve' extra (pip install -e '.[serve]'): {e}") from None
+    return serve_from_args(args, engine_kwargs(args))
+
+
+def cmd_bench_serve(args) -> int:
+    from specserve.bench.serve_bench import main as bench_serve
+
+    return bench_serve(args)
 
 
 def cmd_convert(args) -> int:
