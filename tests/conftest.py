@@ -140,6 +140,30 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def ref_llm():
+    """The HTTP tests' reference: offline plain decoding of the default model (never the engine a
+    server runs: that one is its thread's)."""
+    from specserve import LLM
+
+    llm = LLM(num_threads=2)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """A plain-decoding server of the default model (``tests/server/server_utils.serving``): (URL, state)."""
+    from server_utils import serving  # tests/server: on the path when its tests run
+
+    from specserve import LLM
+
+    llm = LLM(num_threads=2)
+    with serving(llm) as (url, state):
+        yield url, state
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
 def default_llm_fp32():
     from specserve import LLM
 
