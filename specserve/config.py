@@ -290,7 +290,9 @@ class EngineConfig:
     size; ``sample.coupled``) or "rejection" (vLLM's rejection sampler: exact in distribution, one
     random stream per request). kv_cache_memory: GiB of KV cache blocks (None: room for max_num_seqs
     sequences of max_model_len, at most a quarter of the machine's memory; reserved, resident as used).
-    enable_prefix_caching: requests share the cached blocks of a common prompt prefix."""
+    enable_prefix_caching: requests share the cached blocks of a common prompt prefix.
+    speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than plain
+    steps (measured online, ``engine.spec_gate``); off: every step drafts."""
 
     dtype: str = "auto"
     quantization: str | None = "auto"
@@ -304,6 +306,7 @@ class EngineConfig:
     sampling_mode: str = "coupled"
     kv_cache_memory: float | None = None
     enable_prefix_caching: bool = True
+    speculation_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_num_seqs", "prefill_chunk", "seed", "num_threads", "max_model_len"):
@@ -325,8 +328,9 @@ class EngineConfig:
             check_number("kv_cache_memory", self.kv_cache_memory)
             if not self.kv_cache_memory > 0:
                 raise ValueError(f"kv_cache_memory must be > 0 (GiB) or None, got {self.kv_cache_memory}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "speculation_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ValueError(f"sampling_mode must be 'coupled' or 'rejection', got {self.sampling_mode!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):

@@ -28,19 +28,23 @@ class LLM:
         quarter of the machine's memory); pages become resident as blocks are used.
     enable_prefix_caching: requests that share a prompt prefix share its cached KV blocks (not with
         DSpark/DFlash, which keep the target's features of every position).
+    speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than steps
+        without (measured online: ``specserve.engine.spec_gate``; ``specserve serve`` turns it on).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
                  speculative_config: dict | None = None, seed: int = 0, max_num_seqs: int = 16,
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
                  prefill_chunk: int = 512, quantization: str | None = "auto", sampling_mode: str = "coupled",
-                 kv_cache_memory: float | None = None, enable_prefix_caching: bool = True):
+                 kv_cache_memory: float | None = None, enable_prefix_caching: bool = True,
+                 speculation_gate: bool = False):
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
                            quantization=quantization,
                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
                            prefill_chunk=prefill_chunk, sampling_mode=sampling_mode,
-                           kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching)
+                           kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                           speculation_gate=speculation_gate)
         self.engine = LLMEngine(model, cfg, device)
         self.tokenizer = self.engine.tokenizer
 

@@ -23,6 +23,7 @@ from specserve.device import resolve_device
 from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_quantization
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
+from specserve.engine.spec_gate import SpeculationGate
 from specserve.engine.verify import Drafts, Verifier, forward_inputs
 from specserve.models.loader import gguf_source, read_config, resolve_model_dir
 from specserve.spec_decode import ProposeInputs, build_proposer
@@ -102,6 +103,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self.verifier = Verifier(cfg.sampling_mode, self.proposer.lossy_verify, self.runner.compact)
+        # speculation_gate: draft only at batch sizes where it pays (``SpeculationGate``)
+        self.gate = SpeculationGate() if cfg.speculation_gate and self.proposer.num_speculative_tokens else None
         self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -231,11 +234,12 @@ class LLMEngine:
             k = min(k, s.params.max_tokens - len(s.output_ids) - 1)
         return max(0, k)
 
-    def _reserve_blocks(self) -> list[int]:
-        """Draft budgets whose tokens the KV cache can hold this step: every sequence's full budget, or
-        none (speculation backs off), preempting the most recently admitted sequences while even their
-        last tokens do not fit."""
-        budgets = [min(self.proposer.num_speculative_tokens, self._room(s)) for s in self.running]
+    def _reserve_blocks(self, drafting: bool = True) -> list[int]:
+        """Draft budgets whose tokens the KV cache can hold this step: every sequence's full budget (none
+        when not ``drafting``), or none (speculation backs off), preempting the most recently admitted
+        sequences while even their last tokens do not fit."""
+        k = self.proposer.num_speculative_tokens if drafting else 0
+        budgets = [min(k, self._room(s)) for s in self.running]
         if self.scheduler.reserve([s.num_computed + 1 + k for s, k in zip(self.running, budgets)]):
             return budgets
         while not self.scheduler.reserve([s.num_computed + 1 for s in self.running]):
@@ -252,7 +256,8 @@ class LLMEngine:
         """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
         -> the emitted tokens appended."""
         t0 = time.perf_counter()
-        budgets = self._reserve_blocks()
+        drafting = self.gate is None or self.gate.draft(len(self.running))
+        budgets = self._reserve_blocks(drafting)
         seqs = self.running
         if not seqs:
             return
@@ -262,10 +267,13 @@ class LLMEngine:
                                   tree_mask=batch.tree_mask, positions=batch.positions,
                                   return_hidden=self.proposer.needs_hidden)
         results = self.verifier.verify(seqs, drafts, batch.starts, out.logits)
-        self._commit(seqs, drafts, batch, out, results)
+        emitted = self._commit(seqs, drafts, batch, out, results)
         self.stats.verified_tokens += sum(len(t) for t in batch.tokens)
         self.stats.decode_steps += 1
-        self.stats.decode_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.decode_s += seconds
+        if self.gate is not None and (any(budgets) or not drafting):  # a step that could draft, or chose not to
+            self.gate.record(len(seqs), drafting, emitted, seconds)
 
     def _propose(self, seqs, budgets: list[int]) -> Drafts:
         """The drafter's chains or trees within ``budgets``; no drafts where a tree needs more KV blocks
@@ -282,9 +290,9 @@ class LLMEngine:
             return Drafts.none(len(seqs))  # trees larger than the blocks reserved: no drafts
         return drafts
 
-    def _commit(self, seqs, drafts: Drafts, batch, out, results) -> None:
+    def _commit(self, seqs, drafts: Drafts, batch, out, results) -> int:
         """Append each sequence's emitted tokens; tell the drafter what was accepted and the target
-        features of the positions kept; update the metrics."""
+        features of the positions kept; update the metrics. Returns the tokens emitted."""
         emitted_total = 0
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
@@ -300,6 +308,7 @@ class LLMEngine:
                 s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
             emitted_total += kept
         self.stats.decode_tokens += emitted_total
+        return emitted_total
 
     def get_metrics(self) -> dict:
         return self.metrics.as_dict()

@@ -114,6 +114,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "of the memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
+    p.add_argument("--speculation-gate", choices=("on", "off"), default=None,
+                   help="on: draft only at batch sizes where steps with drafts emit tokens faster than plain steps "
+                        "(measured while serving); default on for serve, off for generate")
     _add_spec_args(p)
 
 
@@ -123,7 +126,8 @@ def engine_kwargs(args) -> dict:
                 num_threads=args.threads, speculative_config=speculative_config_from_args(args), device=args.device,
                 quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching)
+                kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+                speculation_gate=(args.speculation_gate or getattr(args, "gate_default", "off")) == "on")
 
 
 def speculative_config_from_args(args) -> dict | None:
@@ -284,7 +288,7 @@ def _add_serve_parser(sub) -> None:
                    help="request line + headers size at most (default 32 KiB)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default warning)")
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, gate_default="on")
 
     b = sub.add_parser("bench-serve", help="load OpenAI-compatible servers at fixed concurrencies, with a plot",
                        description="Send streamed chat requests (temperature 0) to servers at fixed concurrencies "

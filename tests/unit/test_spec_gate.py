@@ -1,0 +1,52 @@
+"""The speculation gate: per batch size, draft while steps with drafts emit tokens faster than steps
+without; back off where they do not, probing now and then; the output never changes."""
+
+import time
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.engine.spec_gate import SpeculationGate
+
+
+def test_gate_measures_both_then_takes_the_faster_and_probes():
+    g = SpeculationGate(probe_every=4, warmup=1)
+    assert g.draft(2)  # measures drafting first
+    g.record(2, True, 10, 1.0)
+    assert not g.draft(2)  # then a plain step
+    g.record(2, False, 20, 1.0)
+    choices = [g.draft(2) for _ in range(8)]
+    assert choices == [False, False, False, True] * 2  # plain is faster: every 4th step probes drafting
+    for _ in range(20):  # drafting became faster (say, the batch shrank its costs): the gate follows
+        g.record(2, True, 60, 1.0)
+    assert [g.draft(2) for _ in range(4)].count(True) == 3
+    assert g.rates(3) == (None, None) and g.draft(3)  # another batch size starts over
+    with pytest.raises(ValueError, match="probe_every"):
+        SpeculationGate(probe_every=1)
+
+
+def test_engine_backs_off_a_drafter_that_does_not_pay(tiny_llama):
+    """A drafter made slow on purpose: with the gate most steps go without drafts, the text is plain
+    decoding's; without it every step drafts."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompt = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]  # n-gram matches from the start
+    plain = LLM(model=str(tiny_llama), dtype="float32").generate(prompt, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    steps = {}
+    for gate in (False, True):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec, speculation_gate=gate)
+        slow = llm.engine.proposer.propose
+
+        def propose(inputs, slow=slow):
+            time.sleep(0.02)  # costs far more than the tiny model's step
+            return slow(inputs)
+
+        llm.engine.proposer.propose = propose
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+        steps[gate] = (llm.engine.stats.decode_steps, llm.get_metrics()["num_drafts"])
+    (n_off, drafted_off), (n_on, drafted_on) = steps[False], steps[True]
+    assert drafted_off >= 12, steps  # the n-gram drafter has drafts in many steps of its own
+    assert drafted_on <= drafted_off / 3, steps  # with the gate, in few: its measurements and probes
+    with pytest.raises(TypeError, match="speculation_gate must be true or false"):
+        LLM(model=str(tiny_llama), speculation_gate="yes")
