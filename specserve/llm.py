@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Iterator, Sequence as Seq
 
@@ -38,6 +39,7 @@ class LLM:
                  prefill_chunk: int = 512, quantization: str | None = "auto", sampling_mode: str = "coupled",
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = True,
                  speculation_gate: bool = False):
+        gc.collect()  # an engine dropped before this one (its model and drafter hold reference cycles) goes first
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
                            quantization=quantization,
                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,

@@ -45,7 +45,7 @@ def test_engine_backs_off_a_drafter_that_does_not_pay(tiny_llama):
         out = llm.generate(prompt, params, use_tqdm=False)
         assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
         steps[gate] = (llm.engine.stats.decode_steps, llm.get_metrics()["num_drafts"])
-    (n_off, drafted_off), (n_on, drafted_on) = steps[False], steps[True]
+    (_, drafted_off), (_, drafted_on) = steps[False], steps[True]
     assert drafted_off >= 12, steps  # the n-gram drafter has drafts in many steps of its own
     assert drafted_on <= drafted_off / 3, steps  # with the gate, in few: its measurements and probes
     with pytest.raises(TypeError, match="speculation_gate must be true or false"):
