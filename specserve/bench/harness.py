@@ -67,6 +67,10 @@ from specserve.models.gguf import read_gguf
 from specserve.models.loader import default_gguf_path, gguf_source, read_config, resolve_model_dir
 from specserve.spec_decode.ngram.branches import POOLED_BRANCHES
 from specserve.tokenizer import Tokenizer
+from specserve.bench.categories import category_figures, category_prompts, draft_vocabulary, is_category_spec
+from specserve.bench.oracle import METHOD as NGRAM_ORACLE
+from specserve.bench.oracle import NgramOracleMethod
+from specserve.spec_decode.metrics import SpecMetrics
 from specserve.train.data import DataError, read_prompts_file
 from specserve.train.data import load_prompts as load_chitchat
 from specserve.train.instructions import load_instruction_prompts
@@ -95,6 +99,8 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[str]:
         return load_instruction_prompts("heldout")
 
     try:
+        if is_category_spec(path):  # the stored held-out prompts by category (bench/categories.py)
+            return [p for _, p in category_prompts(path)]
         if str(path) == SHAREGPT_HELDOUT:  # ShareGPT conversations held out of training
 
             return load_sharegpt_prompts("heldout")
@@ -129,6 +135,8 @@ class MethodResult:
     mean_acceptance_length: float = 1.0
     acceptance_rate_per_position: list[float] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    # per prompt, not in the rows: "walls" (seconds), "metrics" (``SpecMetrics``), "draft_vocabulary"
+    details: dict = field(default_factory=dict)
 
     @property
     def generated_tokens(self) -> int:
@@ -143,19 +151,24 @@ class Session:
     def __init__(self, ctx: BenchContext):
         self.ctx = ctx
         self.outputs: dict[int, list[int]] = {}
+        self.walls: dict[int, float] = {}
         self.wall = 0.0
 
     def generate(self, i: int) -> None:
         t0 = time.perf_counter()
         out = self._generate(self.ctx.prompt_ids[i], self.ctx.max_tokens, i)
-        self.wall += time.perf_counter() - t0
+        self.walls[i] = time.perf_counter() - t0
+        self.wall += self.walls[i]
         self.outputs[i] = out
 
     def _outputs(self) -> list[list[int]]:
         return [self.outputs[i] for i in sorted(self.outputs)]
 
+    def _walls(self) -> dict:
+        return {"walls": [self.walls[i] for i in sorted(self.walls)]}
+
     def result(self) -> MethodResult:
-        return MethodResult(self._outputs(), self.wall)
+        return MethodResult(self._outputs(), self.wall, details=self._walls())
 
     def close(self) -> None:
         gc.collect()
@@ -204,11 +217,23 @@ class SpecserveSession(Session):
                                  f"the engine loaded {ran[0]} with {ran[1]}")
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
             self.llm.reset_metrics()
+            self.prompt_metrics: dict[int, SpecMetrics] = {}
             self.stats_before = self.llm.engine.stats.as_dict()
             self.collectives_before = _rank0_collectives(self.llm.engine.runner) if tp > 1 else 0
         except BaseException:  # no session to close yet: stop the engine (and its TP workers) here
             self.llm.shutdown()
             raise
+
+    def generate(self, i: int) -> None:
+        """Prompt i, with the engine's acceptance counters of this request alone kept aside."""
+        engine = self.llm.engine
+        run, engine.metrics = engine.metrics, SpecMetrics()
+        try:
+            super().generate(i)
+        finally:
+            self.prompt_metrics[i] = engine.metrics
+            run.merge(engine.metrics)
+            engine.metrics = run
 
     def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
 
@@ -231,8 +256,11 @@ class SpecserveSession(Session):
                 extra["collectives_per_draft_step"] = per_rank[0]
         extra.update({k: m[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
         extra.update(step_breakdown(llm.engine.stats.as_dict(), self.stats_before))
+        extra["first_rejected_per_position"] = m["first_rejected_per_position"]
+        details = {**self._walls(), "metrics": [self.prompt_metrics[i] for i in sorted(self.prompt_metrics)],
+                   "draft_vocabulary": draft_vocabulary(llm)}
         return MethodResult(outputs, self.wall, m["mean_acceptance_length"], m["acceptance_rate_per_position"],
-                            extra=extra)
+                            extra=extra, details=details)
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -424,7 +452,7 @@ class LlamaCppSession(Session):
         return out
 
     def result(self) -> MethodResult:
-        return MethodResult(self._outputs(), self.wall,
+        return MethodResult(self._outputs(), self.wall, details=self._walls(),
                             extra={"llama_cpp_version": self.version, "gguf": str(self.gguf),
                                    "n_threads": self.ctx.threads})
 
@@ -470,9 +498,13 @@ PRESETS: dict[str, dict | None] = {
     "dspark-draft-int4": {"method": "dspark", "draft_quantization": "int4"},
     "dflash-draft-dense": {"method": "dflash", "draft_quantization": "none"},
     "dflash-draft-int4": {"method": "dflash", "draft_quantization": "int4"},
+    # the ceiling: the target as its own drafter (a copy proposing its greedy chain; greedy: every draft
+    # accepted); the oracle n-gram is a row of PEERS (computed from the none row's outputs)
+    "target": {"method": "target"},
 }
 # the peers' rows: HF transformers, and llama-cpp-python on the same GGUF (pip install llama-cpp-python==0.3.36)
-PEERS: dict[str, Callable[[], object]] = {"hf": HFMethod, LLAMACPP: LlamaCppMethod}
+# and the oracle n-gram (``bench/oracle.py``: computed from the ``none`` row's outputs, nothing runs)
+PEERS: dict[str, Callable[[], object]] = {"hf": HFMethod, LLAMACPP: LlamaCppMethod, NGRAM_ORACLE: NgramOracleMethod}
 METHOD_ALIASES = {"llamacpp": LLAMACPP}
 
 
@@ -503,6 +535,8 @@ def method_factory(name: str, configs: dict[str, dict] | None = None) -> Callabl
     """The runner factory of a row name: one of ``configs`` (``parse_configs``), ``PRESETS`` or ``PEERS``;
     None for an unknown name."""
     name = METHOD_ALIASES.get(name, name)
+    if configs and name in configs and configs[name].get("method") == NGRAM_ORACLE:
+        return lambda: NgramOracleMethod(name, dict(configs[name]))
     if configs and name in configs:
         return lambda: SpecserveMethod(name, dict(configs[name]))
     if name in PEERS:
@@ -638,13 +672,20 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
         raise BenchError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if tensor_parallel_size > 1 and "hf" in names:
         raise BenchError("method 'hf' runs on one process: drop it with --tensor-parallel-size > 1")
-    texts = load_prompts(prompts_file)
-    if num_prompts is not None:
-        if num_prompts < 1:
-            raise BenchError(f"--num-prompts must be >= 1, got {num_prompts}")
-        if num_prompts > len(texts):
-            log(f"note: only {len(texts)} prompts available; using all of them")
-        texts = texts[:num_prompts]
+    if num_prompts is not None and num_prompts < 1:
+        raise BenchError(f"--num-prompts must be >= 1, got {num_prompts}")
+    labels = None  # each prompt's category, with --prompts categories | category:NAME
+    if is_category_spec(prompts_file):  # --num-prompts: per category
+        try:
+            labels, texts = map(list, zip(*category_prompts(prompts_file, num_prompts)))
+        except DataError as e:
+            raise BenchError(str(e)) from None
+    else:
+        texts = load_prompts(prompts_file)
+        if num_prompts is not None:
+            if num_prompts > len(texts):
+                log(f"note: only {len(texts)} prompts available; using all of them")
+            texts = texts[:num_prompts]
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
 
@@ -665,10 +706,30 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     for dtype, quant in groups:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
                            tensor_parallel_size, device, quant, sampling_mode)
-        results = _run_methods(runners, names, ctx, interleaved, log)
-        rows += group_rows(names, runners, results, ctx, gguf_type,
+        ran = [n for n in names if not getattr(runners[n], "derived", False)]
+        results = _run_methods(runners, ran, ctx, interleaved, log)
+        for n in names:  # rows computed from plain decoding's outputs (the oracle n-gram)
+            if n not in results:
+                results[n] = derived_result(runners[n], ctx, results["none"])
+        group = group_rows(names, runners, results, ctx, gguf_type,
                            {"interleaved": interleaved, "model_dir": str(model_dir)})
+        if labels:
+            for row in group:
+                row["categories"] = category_figures(labels, results[row["method"]], results["none"])
+        rows += group
     return rows
+
+
+def derived_result(runner, ctx: BenchContext, base: MethodResult) -> MethodResult:
+    """The result of a row computed from plain decoding's (``runner.derive``: per-prompt metrics)."""
+    per_prompt = runner.derive(ctx, base)
+    total = SpecMetrics()
+    for m in per_prompt:
+        total.merge(m)
+    d = total.as_dict()
+    extra = {k: d[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "first_rejected_per_position")}
+    return MethodResult(list(base.outputs), 0.0, d["mean_acceptance_length"], d["acceptance_rate_per_position"],
+                        extra={"simulated": True, **extra}, details={"metrics": per_prompt})
 
 
 def _check(runner, **setup) -> None:
@@ -697,18 +758,19 @@ def group_rows(names: list[str], runners: dict, results: dict[str, MethodResult]
     for name in names:
         res, tps, runner = results[name], tps_of[name], runners[name]
         quant = getattr(runner, "quantization", ctx.quantization)
-        comparable = greedy or (coupled and isinstance(runner, SpecserveMethod))  # same seeds, same tokens
+        derived = getattr(runner, "derived", False)  # computed from none's outputs: no speed, no identity
+        comparable = not derived and (greedy or (coupled and isinstance(runner, SpecserveMethod)))
         identical, divergent, mismatched = compare(base.outputs, res.outputs) if comparable else (None, None, None)
         row = {
             "method": name,
             "dtype": ctx.dtype,
             "quantization": quant,
             "weights": weights_label(quant, gguf_type),
-            "tokens_per_s": round(tps, 3),
-            "speedup_vs_none": round(tps / base_tps, 4) if base_tps else None,
+            "tokens_per_s": None if derived else round(tps, 3),
+            "speedup_vs_none": round(tps / base_tps, 4) if base_tps and not derived else None,
         }
         if ref_tps is not None:
-            row["speedup_vs_llamacpp"] = round(tps / ref_tps, 4) if ref_tps else None
+            row["speedup_vs_llamacpp"] = round(tps / ref_tps, 4) if ref_tps and not derived else None
         informational = getattr(runner, "identity_informational", False)
         row.update({
             "num_prompts": len(ctx.prompt_ids),
@@ -797,7 +859,7 @@ def format_table(rows: list[dict]) -> str:
         elif r.get("identity_informational"):
             ident = f"info: {r['divergent_prompts']} differ" if r["divergent_prompts"] else "info: same"
         body.append([r["method"], "-" if r["method"] == LLAMACPP else r["dtype"], r.get("weights", "dense"),
-                     f"{r['tokens_per_s']:.1f}", _ratio(r["speedup_vs_none"])]
+                     "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}", _ratio(r["speedup_vs_none"])]
                     + ([_ratio(r.get("speedup_vs_llamacpp"))] if ref else [])
                     + [ours_hf, ident, f"{r['mean_acceptance_length']:.2f}", str(r["generated_tokens"])]
                     + ([f"{r['ms_per_step']:.1f}", f"{r['draft_ms_per_step']:.1f}",

@@ -230,6 +230,7 @@ class ModelRunner(DraftTargetView):
         if self.batch_invariant:
             make_batch_invariant(self.model)
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         cfg = self.config
         hkv = self.model.model.layers[0].self_attn.hkv
         num_blocks = kv_cache_blocks(kv_cache_memory, max_num_seqs, max_model_len or cfg.max_position_embeddings,
@@ -258,6 +259,15 @@ class ModelRunner(DraftTargetView):
         """Offer the full blocks of ``slot``'s first ``length`` positions (holding ``tokens``) to later
         sequences (prefix caching)."""
         self.kv.blocks.register(slot, tokens, length)
+
+    def replica(self, max_num_seqs: int | None = None) -> "ModelRunner":
+        """A second runner of the same checkpoint, dtype, weight format and device, with a KV cache of its
+        own (the target as its own drafter, ``spec_decode.self_draft``). One process only."""
+        if self.tp.size > 1:
+            raise ValueError("a replica of a sharded target is not supported: run it with tensor_parallel_size 1")
+        return ModelRunner(self.model_dir, None, self.dtype, self.device, max_num_seqs or self.max_num_seqs,
+                           pack_weights=self.packed, quantization=self.quantization,
+                           max_model_len=self.max_model_len)
 
     # ---- rank-local helpers (drafters that run on every rank) ------------------------------------
     def attach(self, name: str, factory, *args, **kwargs) -> None:

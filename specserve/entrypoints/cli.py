@@ -13,6 +13,7 @@ import time
 
 from specserve import LLM, SamplingParams, __version__
 from specserve.bench import perplexity
+from specserve.bench.categories import format_category_table
 from specserve.bench.harness import PRESETS, format_table, main_log, run_bench, write_json
 from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
 from specserve.models.gguf import convert
@@ -197,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", default=None, metavar="FILE",
                    help="JSONL with a \"prompt\" field per line, or plain text with one prompt per line, or "
                         "'chitchat-heldout' / 'instructions-heldout' / 'sharegpt-heldout' (the held-out splits "
-                        "of the drafters' training prompt sources; default: the built-in set)")
+                        "of the drafters' training prompt sources; default: the built-in set), or 'categories' / "
+                        "'category:NAME[,NAME]' (held-out prompts by category: coding, math, extraction, qa, "
+                        "summary, writing, roleplay, advice; --num-prompts per category; a table per category "
+                        "follows the main one)")
     b.add_argument("--num-prompts", type=_positive_int, default=None, help="use the first N prompts (default all)")
     b.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens per request at most (default 128)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
@@ -437,6 +441,11 @@ def cmd_bench(args) -> int:
           f"{'methods interleaved prompt by prompt' if r0['interleaved'] else 'one method after the other'}; "
           "tok/s = generated tokens / request wall time (prefill included)")
     print(format_table(rows), flush=True)
+    by_category = format_category_table(rows)
+    if by_category:
+        print("\nper category (vs none: tok/s over plain decoding on the category's prompts; first rejection: share "
+              "of drafting steps whose first rejected draft was at position 1, 2, ...)")
+        print(by_category, flush=True)
     if args.json:
         write_json(rows, args.json)
         print(f"wrote {len(rows)} rows to {args.json}")

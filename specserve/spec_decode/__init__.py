@@ -8,9 +8,11 @@ from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.ngram.branches import NgramBranches, split_ngram_branch
 from specserve.spec_decode.options import parse_options
 from specserve.spec_decode.proposer import NoProposer, Proposal, ProposeInputs, Proposer, TreeDraft
+from specserve.spec_decode.self_draft import SelfDraftProposer
 
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": MedusaProposer,
-                                         "dspark": DSparkProposer, "dflash": DFlashProposer}
+                                         "dspark": DSparkProposer, "dflash": DFlashProposer,
+                                         "target": SelfDraftProposer}
 
 
 def build_proposer(spec) -> Proposer:

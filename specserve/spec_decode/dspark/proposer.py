@@ -72,7 +72,7 @@ from specserve.spec_decode.cost_model import (
     tree_profile_sizes,
 )
 from specserve.spec_decode.dspark.config import DSparkOptions
-from specserve.spec_decode.dspark.drafting import calibrate_confidences
+from specserve.spec_decode.dspark.drafting import calibrate_confidences, draft_target_ids
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.model import DFlashDrafter
 from specserve.spec_decode.model_drafter import ModelDrafter
@@ -313,6 +313,12 @@ class DSparkProposer(ModelDrafter):
         self.measure_costs(target, sizes, self.num_speculative_tokens)
         self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree)
         log.info("%s auto: draft cost %s ms", self.name, {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
+
+    def draft_vocabulary(self) -> torch.Tensor | None:
+        """The target ids the drafter can propose (its pruned head's vocabulary), or None for the
+        target's whole vocabulary."""
+        d2t = self.worker.drafter.d2t
+        return None if d2t is None else draft_target_ids(d2t).cpu()
 
     def dummy_run(self, batch_size: int = 1) -> None:
         tree = None if self.tree_size is None else (self.tree_topk, self.tree_beam)
