@@ -449,6 +449,9 @@ def logprobs_json(tok, ids: list[int], lps: list, chat: bool):
 
 
 # ---- running it ----------------------------------------------------------------------------------
+H11_BUFFER_FACTOR = 16  # h11's buffer cap, in header caps
+
+
 class UvicornServer:
     """uvicorn with the server's limits (h11: its header-size cap applies), a ready line once the socket
     listens, and in-flight requests aborted as soon as a stop is asked for (Ctrl-C, SIGTERM)."""
@@ -459,7 +462,9 @@ class UvicornServer:
 
         self.state = state
         config = uvicorn.Config(create_app(state), host=host, port=port, http="h11", lifespan="on",
-                                h11_max_incomplete_event_size=state.limits.max_header_bytes,
+                                # h11's buffer cap, past which it answers a bare 400 itself: well above the
+                                # header cap, so that oversized headers get the app's 431 however they arrive
+                                h11_max_incomplete_event_size=H11_BUFFER_FACTOR * state.limits.max_header_bytes,
                                 log_level=log_level,
                                 timeout_graceful_shutdown=10, access_log=False)
         outer = self
