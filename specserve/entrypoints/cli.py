@@ -115,7 +115,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "of the memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
-    p.add_argument("--speculation-gate", choices=("on", "off"), default=None,
+    p.add_argument("--speculation-gate", choices=("on", "off"), default="off",
                    help="on: draft only at batch sizes where steps with drafts emit tokens faster than plain steps "
                         "(measured while serving); default on for serve, off for generate")
     _add_spec_args(p)
@@ -128,7 +128,7 @@ def engine_kwargs(args) -> dict:
                 quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-                speculation_gate=(args.speculation_gate or getattr(args, "gate_default", "off")) == "on")
+                speculation_gate=args.speculation_gate == "on")
 
 
 def speculative_config_from_args(args) -> dict | None:
@@ -292,7 +292,7 @@ def _add_serve_parser(sub) -> None:
                    help="request line + headers size at most (default 32 KiB)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default warning)")
-    s.set_defaults(func=cmd_serve, gate_default="on")
+    s.set_defaults(func=cmd_serve, speculation_gate="on")
 
     b = sub.add_parser("bench-serve", help="load OpenAI-compatible servers at fixed concurrencies, with a plot",
                        description="Send streamed chat requests (temperature 0) to servers at fixed concurrencies "

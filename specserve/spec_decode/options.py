@@ -73,11 +73,3 @@ def parse_options(cls, values: dict, method: str):
             raise ValueError(f"{name} must be {_expectation(kinds, meta)}, got {value!r}")
     return cls(**values)
 
-
-def describe(cls) -> list[tuple[str, object, str]]:
-    """(key, default, help) of every option of ``cls``: what ``--help`` and the docs list."""
-    out = []
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append((f.name, default, f.metadata.get("help", "")))
-    return out
