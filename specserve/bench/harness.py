@@ -465,33 +465,41 @@ class LlamaCppSession(Session):
 
 
 POOL = POOLED_BRANCHES  # n-gram branches: 3 continuations of up to 12 tokens, also from earlier requests
+NO_BRANCHES = {"ngram_branch": 0}
 # the bench's named presets: row name -> ``speculative_config`` (None: plain decoding). Any other
 # configuration is a row of its own through ``--speculative-config NAME=JSON`` (``parse_configs``).
+# A bare method name is that method's default configuration (``spec_decode.defaults``: for the model
+# drafters a tree chosen every step with pooled n-gram branches); the other rows name each key they change.
 PRESETS: dict[str, dict | None] = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-    # the heads shipped for the default model: chain (argmax of each head), a tree sized at start-up,
-    # chains cut per step, a tree chosen per step (all by the cost model), with n-gram branches
+    # the heads shipped for the default model: the default; a chain (argmax of each head, all verified:
+    # Medusa-1), a tree sized at start-up, chains cut per step, a tree chosen per step (all by the cost
+    # model), and that last one with n-gram branches (= the default, spelled out)
     "medusa": {"method": "medusa"},
-    "medusa-tree": {"method": "medusa", "medusa_tree": "auto"},
-    "medusa-auto": {"method": "medusa", "medusa_verify": "auto"},
-    "medusa-tree-dynamic": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto"},
+    "medusa-chain": {"method": "medusa", "medusa_tree": None, "medusa_verify": "full"},
+    "medusa-tree": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "full", **NO_BRANCHES},
+    "medusa-auto": {"method": "medusa", "medusa_tree": None, "medusa_verify": "auto"},
+    "medusa-tree-dynamic": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **NO_BRANCHES},
     "medusa-tree-dynamic-pool": {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL},
-    # the block drafters shipped for the default model (block 7), every draft verified
+    # the block drafters shipped for the default model (block 7): the default, and a chain with every
+    # draft verified
     "dspark": {"method": "dspark"},
     "dflash": {"method": "dflash"},
-    # DSpark variants: verification length from the start-up cost model, or cut at a confidence
+    "dspark-chain": {"method": "dspark", "dspark_tree": None},
+    "dflash-chain": {"method": "dflash", "dspark_tree": None},
+    # DSpark chains: verification length from the start-up cost model, or cut at a confidence
     # threshold; drafts sampled from the corrected distribution (for temperature > 0); the Markov head
     # sharded across tensor-parallel ranks instead of replicated (for the TP comparison)
     "dspark-auto": {"method": "dspark", "dspark_verify": "auto"},
     "dspark-threshold": {"method": "dspark", "dspark_verify": "threshold", "confidence_threshold": 0.3},
     "dspark-prob": {"method": "dspark", "draft_sample_method": "probabilistic"},
-    "dspark-sharded": {"method": "dspark", "markov_replicate": False},
+    "dspark-sharded": {"method": "dspark", "dspark_tree": None, "markov_replicate": False},
     # draft trees (every branch with its own Markov bias), as many nodes as the cost model finds worth,
-    # with n-gram branches
-    "dspark-tree": {"method": "dspark", "dspark_tree": "auto"},
+    # without and with n-gram branches (the latter = the default, spelled out)
+    "dspark-tree": {"method": "dspark", "dspark_tree": "auto", **NO_BRANCHES},
     "dspark-tree-pool": {"method": "dspark", "dspark_tree": "auto", **POOL},
-    "dflash-tree": {"method": "dflash", "dspark_tree": "auto"},
+    "dflash-tree": {"method": "dflash", "dspark_tree": "auto", **NO_BRANCHES},
     "dflash-tree-pool": {"method": "dflash", "dspark_tree": "auto", **POOL},
     # the block drafters' weights dense or in 4 bits (default: 8 bits beside a quantized target)
     "dspark-draft-dense": {"method": "dspark", "draft_quantization": "none"},

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from specserve.spec_decode.defaults import with_defaults
 from specserve.spec_decode.dspark import DFlashProposer, DSparkProposer
 from specserve.spec_decode.medusa import MedusaProposer
 from specserve.spec_decode.ngram import NgramProposer
@@ -16,10 +19,11 @@ PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "medusa": Medusa
 
 
 def build_proposer(spec) -> Proposer:
-    """``spec``: a ``SpeculativeConfig`` or None. N-gram branch keys wrap the drafter in
-    ``NgramBranches``."""
+    """``spec``: a ``SpeculativeConfig`` or None, completed with its method's defaults
+    (``defaults.with_defaults``). N-gram branch keys wrap the drafter in ``NgramBranches``."""
     if spec is None:
         return NoProposer()
+    spec = dataclasses.replace(spec, options=with_defaults(spec.method, spec.options))
     spec, branch_opts = split_ngram_branch(spec)
     if spec.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {spec.method!r}; known: {', '.join(sorted(PROPOSERS))}")
