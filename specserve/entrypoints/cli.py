@@ -20,7 +20,9 @@ from specserve.models.gguf import convert
 from specserve.spec_decode.ngram.branches import POOLED_BRANCHES as DEMO_BRANCHES
 from specserve.train.dspark import DSparkTrainArgs, train_dspark
 from specserve.train.medusa import MedusaTrainArgs, train_medusa
-from specserve.train.options import add_options, from_namespace, given
+from specserve.train.common import distill_only
+from specserve.train.data import stderr_log
+from specserve.train.options import TrainOptions, add_options, from_namespace, given
 from specserve.train.options import nonneg_int as _nonneg_int
 from specserve.train.options import positive_int as _positive_int
 
@@ -263,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub.required = True
     _add_train_medusa_parser(tsub)
     _add_train_dspark_parser(tsub)
+    _add_train_distill_parser(tsub)
     return parser
 
 
@@ -345,6 +348,21 @@ def _add_train_dspark_parser(tsub) -> None:
                     "estimates on held-out prompts.")
     add_options(m, DSparkTrainArgs)
     m.set_defaults(func=cmd_train_dspark)
+
+
+# the options of ``train distill``: the data options the trainers share, none about the drafter
+DISTILL_SKIP = ("out", "draft_vocab_size", "eval_only", "progress")
+
+
+def _add_train_distill_parser(tsub) -> None:
+    m = tsub.add_parser(
+        "distill", help="self-distillation alone: the target's responses into a --distill-store",
+        description="Let the target answer the prompts of the data options (the same options and the same "
+                    "responses as `train medusa` / `train dspark`), into --distill-store DIR: token ids, "
+                    "compressed, a part saved every 400 prompts, so a stopped run continues where it stopped "
+                    "and a later training run with the same store generates nothing. Trains nothing.")
+    add_options(m, TrainOptions, skip=DISTILL_SKIP)
+    m.set_defaults(func=cmd_train_distill)
 
 
 def _version() -> str:
@@ -519,7 +537,7 @@ def cmd_demo(args) -> int:
     print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat "
           "prompts)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
-          "specserve bench --methods none,ngram,medusa-tree-dynamic-pool,dspark-tree-pool,dflash")
+          "specserve bench --methods none,ngram,medusa,dspark,dflash")
     return 0
 
 
@@ -547,6 +565,17 @@ def cmd_train_medusa(args) -> int:
     print(f"greedy decoding with {len(ev['top1'])}-token chains, replayed: tau {dec['tau']:.3f} ("
           + " ".join(f"{x:.2f}" for x in dec["acceptance"]) + ")"
           + "".join(f", {k} {v:.3f}" for k, v in dec.get("by_source", {}).items()))
+    return 0
+
+
+def cmd_train_distill(args) -> int:
+    targs = from_namespace(MedusaTrainArgs, args, out="")
+    targs.validate()
+    if not targs.distill_store:
+        raise CLIError("train distill needs --distill-store DIR (where the responses go)")
+    res = distill_only(targs, log=stderr_log)
+    print(f"{targs.distill_store}: {res['train_sequences']} training + {res['heldout_sequences']} held-out responses "
+          f"({res['response_tokens']} tokens) of {res['data']}, {res['seconds']:.0f} s")
     return 0
 
 

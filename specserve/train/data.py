@@ -202,15 +202,17 @@ def prompt_token_ids(tokenizer, prompt, chat: bool = True) -> list[int]:
 
 def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0.0, batch_size: int = 16,
                  seed: int = 0, chat: bool = True, cache_dir: str | os.PathLike | None = None,
-                 log=None, cache_chunk: int | None = None) -> list[dict]:
+                 log=None, cache_chunk: int | None = None, store=None) -> list[dict]:
     """The target writes its own responses to ``prompts``: ``[{"prompt", "ids", "prompt_len"}]``, where
     ``ids`` = prompt ids + response ids (EOS kept when generated). Generation runs through
     ``llm.generate`` with up to ``batch_size`` requests running at once (continuous batching).
     ``temperature`` 0 is greedy; otherwise request i is seeded with ``seed + i``. The result is cached
     in ``cache_dir`` (default ``~/.cache/specserve/train``) under a key of the model, prompts and every
     argument, in chunks of ``cache_chunk`` (default ``CACHE_CHUNK``) prompts (``cached_chunks``); pass
-    ``cache_dir=False`` to disable the cache. A prompt that leaves no room for ``max_tokens`` within the
-    model's ``max_model_len`` is skipped (and counted in the log) rather than stopping the run."""
+    ``cache_dir=False`` to disable the cache; with ``store`` (a ``train.store.DistillStore``) the responses
+    come from that store instead, and the missing ones are generated into it. A prompt that leaves no
+    room for ``max_tokens`` within the model's ``max_model_len`` is skipped (and counted in the log)
+    rather than stopping the run."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     engine = llm.engine
@@ -221,9 +223,15 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
         (log or print)(f"self-distillation: skipping {n_long} of {len(ids)} prompts longer than "
                        f"{limit} tokens (max_model_len {engine.max_model_len} - max_tokens {max_tokens}; "
                        f"the longest has {max(len(x) for x in ids)})")
+    if store is not None:
+        keep = [i for i, x in enumerate(ids) if len(x) <= limit]
+        return store.distill(llm, [prompts[i] for i in keep], [ids[i] for i in keep], max_tokens=max_tokens,
+                             temperature=temperature, batch_size=batch_size, seed=seed, chat=chat, log=log)
     dtype = str(getattr(engine.runner, "dtype", "?")).removeprefix("torch.")
     base = {"v": 2, "model": _model_fingerprint(engine.model_dir), "dtype": dtype, "max_tokens": max_tokens,
             "temperature": float(temperature)}
+    if getattr(engine.runner, "quantization", None):  # quantized generation (dense keys stay as they were)
+        base["quantization"] = engine.runner.quantization
 
     # chunks are cut from the prompt list before the skip, so that a longer list of prompts still begins
     # with the same cache entries; a skipped prompt just leaves its chunk one shorter
@@ -235,18 +243,18 @@ def self_distill(llm, prompts: Sequence, max_tokens: int, temperature: float = 0
 
     def compute(start, part):
         keep = fits(start, part)
-        return _generate(llm, [prompts[i] for i in keep], [ids[i] for i in keep], max_tokens, temperature,
-                         batch_size, seed + start, log)
+        return generate_responses(llm, [prompts[i] for i in keep], [ids[i] for i in keep], max_tokens,
+                                  temperature, batch_size, [seed + start + j for j in range(len(keep))], log)
 
     chunks = cached_chunks(cache_dir, "distill", ids, key, compute, log, "self-distillation",
                            cache_chunk or CACHE_CHUNK)
     return [x for c in chunks for x in c]
 
 
-def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log) -> list[dict]:
+def generate_responses(llm, prompts, ids, max_tokens, temperature, batch_size, seeds, log) -> list[dict]:
     """The responses, in prompt order. The engine runs its batch with one key length for all rows (the
     longest row's), so one long prompt slows every row beside it: the prompts go through shortest first,
-    and a long one meets its peers. Request i keeps seed ``seed + i`` whatever the order."""
+    and a long one meets its peers. Request i keeps seed ``seeds[i]`` (when sampled) whatever the order."""
     out: list = [None] * len(ids)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     t0, done, n_tok = time.perf_counter(), 0, 0
@@ -254,7 +262,7 @@ def _generate(llm, prompts, ids, max_tokens, temperature, batch_size, seed, log)
     for b in range(0, len(order), per_call):
         chunk = order[b : b + per_call]
         params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                 seed=(seed + i) if temperature > 0 else None) for i in chunk]
+                                 seed=seeds[i] if temperature > 0 else None) for i in chunk]
         res = llm.generate([{"prompt_token_ids": ids[i]} for i in chunk], params, use_tqdm=False)
         for i, r in zip(chunk, res):
             p, x = prompts[i], ids[i]

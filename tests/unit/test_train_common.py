@@ -314,3 +314,24 @@ def test_train_flags_are_generated_from_the_options_dataclasses():
     assert given(ns, DSparkTrainArgs, "shape") == ["--num-layers"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "medusa", "--out", "x", "--num-heads", "0"])
+
+
+def test_category_sources():
+    """``--prompts categories``: one source per category (so the trainers report each apart), each the
+    category's training prompts, its held-out prompts (what ``bench --prompts categories`` runs) apart."""
+    from specserve.train.categories import CATEGORIES, load_category_prompts
+    from specserve.train.common import prompt_sources
+
+    assert prompt_sources("categories") == [f"category:{c}" for c in CATEGORIES]
+    assert prompt_sources(["chitchat", "categories"])[:2] == ["chitchat", "category:coding"]
+    for c in ("math", "roleplay"):
+        train_p, held_p, desc = select_prompts(f"category:{c}", 6, 3, 0)
+        assert len(train_p) == 6 and len(held_p) == 3 and not set(train_p) & set(held_p) and "category" in desc
+        assert train_p == load_category_prompts(c, "train", 6, 0) and held_p == load_category_prompts(c, "heldout", 3)
+    from specserve.train.common import describe_sources
+
+    assert describe_sources(["chitchat", "category:math", "category:qa"], ["chat", "c", "c"]) == (
+        "chat + specserve's prompts by category (math, qa; specserve.train.categories: category templates and "
+        "ShareGPT first turns)")
+    with pytest.raises(DataError, match="category must be one of"):
+        select_prompts("category:poetry", 6, 3, 0)

@@ -222,7 +222,7 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
     assert temps == before["head_temperatures"] and len(temps) == 3 and all(t > 0 for t in temps)
     # the engine reads them (they shape only what medusa_verify "auto" decides to verify)
     llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-        "method": "medusa", "model": str(out), "medusa_verify": "auto"})
+        "method": "medusa", "model": str(out), "medusa_verify": "auto", "medusa_tree": None})
     prop = llm.engine.proposer
     assert prop.head_temperatures.tolist() == pytest.approx(temps)
     z = torch.randn(2, 3, 100)
@@ -236,6 +236,20 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
     assert main(["train", "medusa", "--eval-only", "--model", str(tiny_llama), "--out", str(tmp_path / "none"),
                  "--prompts", str(tiny_prompts), "--cache-dir", str(cache_dir), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # --init-from: those heads (shape, draft vocabulary, weights) trained further: on the same data their
+    # held-out accuracy "at init" is what they scored when saved
+    more = tmp_path / "more"
+    argv = ["train", "medusa", "--init-from", str(out), "--model", str(tiny_llama), "--out", str(more), "--prompts",
+            str(tiny_prompts), "--num-prompts", "40", "--max-tokens", "24", "--threads", "1", "--cache-dir",
+            str(cache_dir), "--no-progress", "--epochs", "1", "--lr", "1e-3", "--batch-size", "64"]
+    assert main(argv) == 0
+    grown = json.loads((more / "config.json").read_text())
+    assert grown["num_heads"] == 3 and grown["training"]["init_from"] == str(out)
+    assert grown["training"]["heldout_zero_init_top1"] == pytest.approx(before["training"]["heldout_top1"])
+    assert grown["training"]["heldout_top1"] != before["training"]["heldout_top1"]
+    assert "**Initialised from** the heads at" in (more / "README.md").read_text()
+    assert main([*argv[:2], "--eval-only", *argv[2:]]) == 2
+    assert "--init-from trains the heads at DIR further" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("true_t", [0.5, 2.0])
