@@ -198,7 +198,7 @@ def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
         return runner, True
     model_dir = llm.engine.model_dir
     llm.shutdown()
-    return ModelRunner(model_dir, dtype=dtype, max_num_seqs=1), False
+    return ModelRunner(model_dir, dtype=dtype, max_num_seqs=1, quantization=None), False  # dense features
 
 
 def select_draft_vocab(samples: list[dict], vocab_size: int, size: int, keep: torch.Tensor | None = None
@@ -551,11 +551,13 @@ def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
         return None
 
 
-def target_lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32."""
+def target_lm_head(runner) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's (frozen) lm_head weight [V, d] and bias, dense and float32 (read from the checkpoint
+    when the runner keeps only a packed copy)."""
+    model = runner.model
     head = model.lm_head
     V = model.config.vocab_size
-    w = head.weight.detach()[:V].float()
+    w = head.weight.detach()[:V].float() if head.weight.numel() else runner.full_lm_head_weight()[:V].float()
     b = head.bias.detach()[:V].float() if head.bias is not None else None
     return w, b
 

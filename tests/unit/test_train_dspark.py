@@ -615,7 +615,7 @@ def test_train_dspark_two_sources_then_eval_only(tiny_llama, tiny_prompts, cache
     readme = (out / "README.md").read_text()
     assert "Greedy decoding, replayed" in readme and "By source" in readme
     # the replay is what decoding does: the engine, greedy with full verification, on the held-out prompts
-    assert_replay_is_decoding(tiny_llama, {"method": "dspark", "model": str(out), "dspark_verify": "full"},
+    assert_replay_is_decoding(tiny_llama, {"method": "dspark", "model": str(out), "dspark_tree": None},
                               res["heldout_samples"], 16, dec)
 
     weights = (out / "model.safetensors").read_bytes()

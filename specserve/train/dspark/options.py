@@ -15,9 +15,6 @@ from specserve.train.options import TrainOptions, nonneg_float, nonneg_int, opti
 class DSparkTrainArgs(TrainOptions):
     """``shape=True``: the drafter's shape, which ``init_from`` takes from the loaded drafter instead."""
 
-    feature_dtype: str = option("float32", "dtype of the target forward that computes the drafter's input features "
-                                "(bfloat16: faster on CPUs with bfloat16 instructions, features ~2% off float32's)",
-                                choices=FEATURE_DTYPES)
     train_dtype: str = option("float32", "float32, or bfloat16 mixed precision (autocast forward, float32 weights and "
                               "optimiser)", choices=FEATURE_DTYPES)
     num_layers: int = option(1, "draft decoder layers", type=positive_int, unset=True, shape=True)

@@ -146,7 +146,7 @@ def _prepare(args: DSparkTrainArgs, log) -> Job:
                                                              job.cache_dir, log, args.progress)
     job.f_train = [] if args.eval_only else by_source(features, job.train_s, run.train_sizes)
     job.f_held = by_source(features, job.held_s, run.held_sizes)
-    job.lm_w, job.lm_b = (x.clone() if x is not None else None for x in target_lm_head(model))
+    job.lm_w, job.lm_b = (x.clone() if x is not None else None for x in target_lm_head(runner))
     job.embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
     if kept:
         llm.shutdown()
