@@ -263,9 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(self-distillation).")
     tsub = t.add_subparsers(dest="trainer", metavar="DRAFTER")
     tsub.required = True
-    _add_train_medusa_parser(tsub)
-    _add_train_dspark_parser(tsub)
-    _add_train_distill_parser(tsub)
+    _add_train_parsers(tsub)
     return parser
 
 
@@ -324,45 +322,34 @@ def _add_serve_parser(sub) -> None:
     b.set_defaults(func=cmd_bench_serve)
 
 
-def _add_train_medusa_parser(tsub) -> None:
-    m = tsub.add_parser(
-        "medusa", help="Medusa-1 heads on the frozen target",
-        description="Train Medusa heads (Medusa-1: the target stays frozen). The target answers the prompts "
-                    "itself, its final hidden states are computed once, then the heads learn to predict the "
-                    "tokens 2, 3, ... positions ahead. Writes config.json, medusa.safetensors and README.md "
-                    "to --out and reports per-head accuracy on held-out prompts. The hidden states are computed in "
-                    "float32.")
-    add_options(m, MedusaTrainArgs)
-    m.set_defaults(func=cmd_train_medusa)
-
-
-def _add_train_dspark_parser(tsub) -> None:
-    m = tsub.add_parser(
-        "dspark", help="a DSpark (or DFlash) block drafter on the frozen target",
-        description="Train an anchor-first block drafter (DSpark: Markov head + confidence head; "
-                    "--markov-rank 0: a DFlash baseline with the same recipe) on the frozen target. The target "
-                    "answers the prompts itself, the outputs of its --target-layer-ids layers are computed once, "
-                    "then the drafter learns to draft the next --block-size tokens after an anchor from them. "
-                    "Writes a DeepSpec-format checkpoint (speculators format with --draft-vocab-size) "
-                    "(config.json, model.safetensors) and README.md to --out and reports per-position acceptance "
-                    "estimates on held-out prompts.")
-    add_options(m, DSparkTrainArgs)
-    m.set_defaults(func=cmd_train_dspark)
-
-
-# the options of ``train distill``: the data options the trainers share, none about the drafter
-DISTILL_SKIP = ("out", "draft_vocab_size", "eval_only", "progress")
-
-
-def _add_train_distill_parser(tsub) -> None:
-    m = tsub.add_parser(
-        "distill", help="self-distillation alone: the target's responses into a --distill-store",
-        description="Let the target answer the prompts of the data options (the same options and the same "
-                    "responses as `train medusa` / `train dspark`), into --distill-store DIR: token ids, "
-                    "compressed, a part saved every 400 prompts, so a stopped run continues where it stopped "
-                    "and a later training run with the same store generates nothing. Trains nothing.")
-    add_options(m, TrainOptions, skip=DISTILL_SKIP)
-    m.set_defaults(func=cmd_train_distill)
+def _add_train_parsers(tsub) -> None:
+    # ``specserve train NAME``: (help, description, options class, options left out, handler)
+    trainers = {
+        "medusa": ("Medusa-1 heads on the frozen target",
+                   "Train Medusa heads (Medusa-1: the target stays frozen). The target answers the prompts itself, its "
+                   "final hidden states are computed once (--feature-dtype), then the heads learn to predict the "
+                   "tokens 2, 3, ... positions ahead. Writes config.json, medusa.safetensors and README.md to --out "
+                   "and reports per-head accuracy on held-out prompts.", MedusaTrainArgs, (), cmd_train_medusa),
+        "dspark": ("a DSpark (or DFlash) block drafter on the frozen target",
+                   "Train an anchor-first block drafter (DSpark: Markov head + confidence head; --markov-rank 0: a "
+                   "DFlash baseline with the same recipe) on the frozen target. The target answers the prompts itself, "
+                   "the outputs of its --target-layer-ids layers are computed once, then the drafter learns to draft "
+                   "the next --block-size tokens after an anchor from them. Writes a DeepSpec-format checkpoint "
+                   "(speculators format with --draft-vocab-size) (config.json, model.safetensors) and README.md to "
+                   "--out and reports per-position acceptance estimates on held-out prompts.", DSparkTrainArgs, (),
+                   cmd_train_dspark),
+        # the data options the trainers share, none about the drafter
+        "distill": ("self-distillation alone: the target's responses into a --distill-store",
+                    "Let the target answer the prompts of the data options (the same options and the same responses as "
+                    "`train medusa` / `train dspark`), into --distill-store DIR: token ids, compressed, a part saved "
+                    "every 400 prompts, so a stopped run continues where it stopped and a later training run with the "
+                    "same store generates nothing. Trains nothing.", TrainOptions,
+                    ("out", "draft_vocab_size", "eval_only", "progress"), cmd_train_distill),
+    }
+    for name, (help_text, description, cls, skip, handler) in trainers.items():
+        m = tsub.add_parser(name, help=help_text, description=description)
+        add_options(m, cls, skip=skip)
+        m.set_defaults(func=handler)
 
 
 def _version() -> str:
