@@ -100,7 +100,7 @@ def test_overconfident_drafter_verifies_less_with_calibration(tiny_llama, tmp_pa
     else:
         heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=3.0)
         spec = {"method": "medusa", "model": str(heads), "medusa_verify": "auto", "medusa_topk": 3,
-                "medusa_tree": 8 if method == "medusa-tree" else None}
+                "medusa_tree": 8 if method == "medusa-tree" else None, "ngram_branch": 0}
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(3)]
     drafted = {}
     for on in (False, True):
@@ -151,7 +151,7 @@ def test_draft_gate_stops_costly_drafting_that_does_not_pay(tiny_llama, tmp_path
     share = {}
     for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
         llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-            "method": "dspark", "model": str(drafter), "draft_gate": gate, **mode})
+            "method": "dspark", "model": str(drafter), "draft_gate": gate, "ngram_branch": 0, **mode})
         prop = llm.engine.proposer
         prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.05}
         prop.draft_costs = {1: draft_cost, 4: draft_cost}

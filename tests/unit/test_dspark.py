@@ -12,6 +12,9 @@ from specserve.spec_decode.dspark.config import DSparkConfig, expected_state_sha
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
+# the tests below are about chains: the methods' defaults are trees with pooled n-gram branches
+CHAIN = {"dspark_tree": None, "ngram_branch": 0}
+
 
 def write_random_drafter(path, target_dir, markov_rank=8, head_type="vanilla", seed=0, scale=0.3, block=4,
                          dtype=torch.float32):
@@ -94,7 +97,7 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample
     if verify.endswith("-int4draft"):
         mode["draft_quantization"] = "int4"
     spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
-               speculative_config={"method": "dspark", "model": str(drafter), "draft_sample_method": sample,
+               speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "draft_sample_method": sample,
                                    "online_calibration": calibrated, **mode})
     if verify.endswith("-bf16draft"):
         assert spec.engine.runner.helper("dspark").drafter.fc.weight.dtype == torch.bfloat16
@@ -120,7 +123,7 @@ def test_engine_drafts_from_the_features_of_the_kept_prefix(small_vocab_model, t
     forward of the final sequence, and the steps walk the output (next anchor = accepted drafts + 1)."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     llm = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32",
-              speculative_config={"method": "dspark", "model": str(drafter)})
+              speculative_config={"method": "dspark", **CHAIN, "model": str(drafter)})
     prop = llm.engine.proposer
     w = prop.worker
     blocks, steps = [], []
@@ -150,7 +153,7 @@ def test_tree_drafting_reads_the_features_of_the_accepted_path(small_vocab_model
     full forward of the final sequence, and accepted paths left the first branch at times."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     llm = LLM(model=str(small_vocab_model), dtype="float32",
-              speculative_config={"method": "dspark", "model": str(drafter), "dspark_tree": 6})
+              speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "dspark_tree": 6})
     prop = llm.engine.proposer
     w = prop.worker
     calls = []
@@ -189,7 +192,7 @@ def test_dspark_errors(tiny_llama, tmp_path):
         LLM(model=str(tiny_llama), speculative_config={"method": "dspark"})  # the default model's drafter
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     with pytest.raises(ValueError, match="exceeds the drafter's 4 drafts"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter),
+        LLM(model=str(tiny_llama), speculative_config={"method": "dspark", **CHAIN, "model": str(drafter),
                                                        "num_speculative_tokens": 6})
     for bad, match in [({"dspark_tree": 0}, "dspark_tree must be"), ({"dspark_tree": "big"}, "dspark_tree must be"),
                        ({"dspark_tree": 4, "draft_sample_method": "probabilistic"}, "draft_sample_method='greedy'"),
@@ -198,7 +201,7 @@ def test_dspark_errors(tiny_llama, tmp_path):
                        ({"draft_dtype": "int8"}, "draft_dtype must be one of 'auto', 'float32'"),
                        ({"draft_quantization": "q4"}, "draft_quantization must be one of 'auto', 'none'")]:
         with pytest.raises(ValueError, match=match):
-            LLM(model=str(tiny_llama), speculative_config={"method": "dspark", "model": str(drafter), **bad})
+            LLM(model=str(tiny_llama), speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), **bad})
 
 
 @pytest.mark.parametrize("stored, requested, fast_bf16, expected", [
@@ -219,7 +222,7 @@ def test_draft_dtype_follows_the_stored_weights_unless_requested(tiny_llama, tmp
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "dspark", "model": str(drafter), "draft_dtype": requested})
+              speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "draft_dtype": requested})
     worker = llm.engine.runner.helper("dspark")
     assert worker.dtype == expected and worker.drafter.lm_head is None
     assert {p.dtype for p in worker.drafter.parameters()} == {expected}
@@ -242,7 +245,7 @@ def test_draft_quantization_follows_the_target_unless_requested(tiny_llama, tmp_
     kw = {"dtype": "float32"} if target is None else {"quantization": target}
     plain = LLM(model=str(tiny_llama), **kw).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(model=str(tiny_llama), **kw,
-              speculative_config={"method": "dspark", "model": str(drafter), "draft_quantization": requested})
+              speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "draft_quantization": requested})
     worker = llm.engine.runner.helper("dspark")
     assert worker.quantization == expected
     fc, w2 = worker.drafter.fc, worker.drafter.markov_head.markov_w2
@@ -287,7 +290,7 @@ def test_choose_verify_lengths_is_the_best_choice():
 def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={  # the cost model alone
-        "method": "dspark", "model": str(drafter), "dspark_verify": "auto", "online_calibration": False})
+        "method": "dspark", **CHAIN, "model": str(drafter), "dspark_verify": "auto", "online_calibration": False})
     prop = llm.engine.proposer
     assert set(prop.draft_costs) == {1, 2, 4} and all(v > 0 for v in prop.draft_costs.values())
     assert min(prop.verify_costs) == 1 and max(prop.verify_costs) >= 4 * 5
@@ -295,7 +298,7 @@ def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     # steeply with the token count: none
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     full = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={
-        "method": "dspark", "model": str(drafter), "dspark_verify": "full"})
+        "method": "dspark", **CHAIN, "model": str(drafter), "dspark_verify": "full"})
     full.generate(PROMPTS, params, use_tqdm=False)
     prop.verify_costs = {1: 1.0, 1000: 1.0}
     llm.generate(PROMPTS, params, use_tqdm=False)
@@ -317,7 +320,7 @@ def test_tp2_dspark_equals_tp1_and_counts_collectives(tiny_llama, tmp_path, repl
     drafter = write_random_drafter(tmp_path / "d", tiny_llama, markov_rank=8)
     dflash = write_random_drafter(tmp_path / "f", tiny_llama, markov_rank=0)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    spec = {"method": "dspark", "model": str(drafter), "markov_replicate": replicate,
+    spec = {"method": "dspark", **CHAIN, "model": str(drafter), "markov_replicate": replicate,
             "draft_sample_method": "probabilistic"}
     # greedy, and seeded sampling with drafts sampled on both ranks from the same generator states
     sampled = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True) for i in range(3)]
@@ -336,7 +339,7 @@ def test_tp2_dspark_equals_tp1_and_counts_collectives(tiny_llama, tmp_path, repl
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in out_s] == [o.outputs[0].token_ids for o in ref_s]
     base = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
-               speculative_config={"method": "dspark", "model": str(dflash)})
+               speculative_config={"method": "dspark", **CHAIN, "model": str(dflash)})
     try:
         base_step = base.engine.runner.helper_report("dspark", "draft_step_collectives", 2)
     finally:
@@ -358,7 +361,7 @@ def test_tp2_dspark_tree_equals_tp1(small_vocab_model, tmp_path):
     """Tree drafting under TP=2 (candidates drafted on both ranks, the tree verified by the sharded
     target): the same tokens as TP=1, greedy and seeded sampling."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, markov_rank=8)
-    spec = {"method": "dspark", "model": str(drafter), "dspark_tree": 6}
+    spec = {"method": "dspark", **CHAIN, "model": str(drafter), "dspark_tree": 6}
     prompts = [[t % 16 for t in p] for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2 + [
         SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)]

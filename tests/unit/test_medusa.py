@@ -16,6 +16,9 @@ from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
+# the tests below are about chains: the methods' defaults are trees with pooled n-gram branches
+CHAIN = {"medusa_tree": None, "medusa_verify": "full", "ngram_branch": 0}
+
 
 def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5, draft_vocab=None):
     torch.manual_seed(seed)
@@ -78,7 +81,7 @@ def test_greedy_tree_and_expected_tokens():
 def test_greedy_identical_to_plain(tiny_llama, tiny_heads, kind, tree):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)
-    spec_cfg = {"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3,
+    spec_cfg = {"method": "medusa", **CHAIN, "model": str(tiny_heads[kind]), "num_speculative_tokens": 3,
                 "medusa_tree": tree}
     llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec_cfg)
     out = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -88,7 +91,8 @@ def test_greedy_identical_to_plain(tiny_llama, tiny_heads, kind, tree):
 
 def test_chain_proposal_is_head_argmax(tiny_llama, tiny_heads):
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(tiny_heads["own"]), "num_speculative_tokens": 2})
+              speculative_config={"method": "medusa", **CHAIN,
+                                  "model": str(tiny_heads["own"]), "num_speculative_tokens": 2})
     eng = llm.engine
     seq = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10))
     eng.step()  # prefill (+ one verify step)
@@ -108,7 +112,7 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
     and the steps walk the output (next start = accepted drafts + 1)."""
     heads = make_heads(tmp_path / "h", 64, 16, num_heads=3)
     llm = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3})
+              speculative_config={"method": "medusa", **CHAIN, "model": str(heads), "num_speculative_tokens": 3})
     prop = llm.engine.proposer
     steps = []
     engine_propose = prop.propose
@@ -141,7 +145,7 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, 
     fmt = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
     plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt)
     spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt,
-               speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 3,
+               speculative_config={"method": "medusa", **CHAIN, "model": str(heads), "num_speculative_tokens": 3,
                                    "medusa_tree": tree, "medusa_topk": 3, "medusa_verify": verify[:4],
                                    "online_calibration": verify == "auto-calibrated"})
     if quantization is not None:
@@ -165,7 +169,7 @@ def test_auto_verify_cuts_chains_by_cost(tiny_llama, tiny_heads):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in
              LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
-    cfg = {"method": "medusa", "model": str(tiny_heads["own"])}
+    cfg = {"method": "medusa", **CHAIN, "model": str(tiny_heads["own"])}
     full = LLM(model=str(tiny_llama), dtype="float32", speculative_config=cfg)
     full.generate(PROMPTS, params, use_tqdm=False)
     full_drafts = full.get_metrics()["num_draft_tokens"]
@@ -196,7 +200,7 @@ def test_dynamic_tree_by_cost(tiny_llama, tiny_heads, kind, tree):
     plain = [o.outputs[0].token_ids for o in
              LLM(model=str(tiny_llama), dtype="float32").generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "medusa_tree": tree,
+              speculative_config={"method": "medusa", **CHAIN, "model": str(tiny_heads[kind]), "medusa_tree": tree,
                                   "medusa_topk": 4, "medusa_verify": "auto", "online_calibration": False})
     prop = llm.engine.proposer
     cand = prop._candidates["paths"]
@@ -243,7 +247,8 @@ def test_dynamic_tree_by_cost(tiny_llama, tiny_heads, kind, tree):
 
 def test_typical_acceptance_is_opt_in_and_runs(tiny_llama, tiny_heads, caplog):
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]), "acceptance": "typical",
+              speculative_config={"method": "medusa", **CHAIN,
+                                  "model": str(tiny_heads["shared"]), "acceptance": "typical",
                                   "medusa_tree": 6})
     assert "LOSSY" in caplog.text
     out = llm.generate(PROMPTS, SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True),
@@ -258,7 +263,8 @@ def test_typical_acceptance_is_opt_in_and_runs(tiny_llama, tiny_heads, caplog):
 
 def test_auto_tree_uses_measured_costs(tiny_llama, tiny_heads):
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]), "medusa_tree": "auto"})
+              speculative_config={"method": "medusa", **CHAIN,
+                                  "model": str(tiny_heads["shared"]), "medusa_tree": "auto"})
     prop = llm.engine.proposer
     costs = prop.step_costs
     assert sorted(costs) == list(costs) and all(costs[a] <= costs[b] for a, b in zip(costs, list(costs)[1:]))
@@ -267,13 +273,13 @@ def test_auto_tree_uses_measured_costs(tiny_llama, tiny_heads):
 
 def test_bad_medusa_config(tiny_llama, tiny_heads, tmp_path):
     with pytest.raises(ValueError, match="exceeds the checkpoint's 3 Medusa heads"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]),
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", **CHAIN, "model": str(tiny_heads["shared"]),
                                                        "num_speculative_tokens": 5})
     wrong = make_heads(tmp_path / "wrong", 32, 257)
     with pytest.raises(ValueError, match="hidden size 32.*64"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(wrong)})
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", **CHAIN, "model": str(wrong)})
     with pytest.raises(ValueError, match="bogus_option"):
-        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "model": str(tiny_heads["shared"]),
+        LLM(model=str(tiny_llama), speculative_config={"method": "medusa", **CHAIN, "model": str(tiny_heads["shared"]),
                                                        "bogus_option": 1})
 
 
@@ -281,7 +287,8 @@ def test_bad_medusa_config(tiny_llama, tiny_heads, tmp_path):
 @pytest.mark.parametrize("kind", ["shared", "own"])
 def test_tp2_medusa_equals_tp1_heads_replicated(tiny_llama, tiny_heads, kind):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    spec_cfg = {"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3, "medusa_tree": 6}
+    spec_cfg = {"method": "medusa", **CHAIN,
+                "model": str(tiny_heads[kind]), "num_speculative_tokens": 3, "medusa_tree": 6}
     ref = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec_cfg).generate(PROMPTS, params,
                                                                                             use_tqdm=False)
     llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec_cfg)
@@ -306,7 +313,8 @@ def test_draft_vocabulary_proposals_are_mapped_target_ids(tiny_llama, tiny_heads
     """With a token_map the heads' logits cover its 60 tokens only; chain drafts are the target ids of
     their argmax (a shared head uses those rows of the target's lm_head), tree candidates likewise."""
     llm = LLM(model=str(tiny_llama), dtype="float32",
-              speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "num_speculative_tokens": 3})
+              speculative_config={"method": "medusa", **CHAIN,
+                                  "model": str(tiny_heads[kind]), "num_speculative_tokens": 3})
     eng = llm.engine
     seq = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10))
     eng.step()

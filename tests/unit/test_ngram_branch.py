@@ -141,17 +141,22 @@ def _verify_all(llm):
     return llm
 
 
+# the plain kinds are chains without branches (the methods' defaults are trees with pooled branches)
+CHAIN = {"medusa": {"medusa_tree": None, "medusa_verify": "full", "ngram_branch": 0},
+         "dspark": {"dspark_tree": None, "ngram_branch": 0}}
+
+
 def _drafter(kind, model_dir, tmp_path):
     if kind.startswith("medusa"):
         cfg = json.loads((model_dir / "config.json").read_text())
         heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=1.0)
-        spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3}
+        spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3, **CHAIN["medusa"]}
         if kind == "medusa-dynamic":
             return {**spec, **PLANNED[kind], "medusa_topk": 3}
         return {**spec, "medusa_tree": 8, "medusa_topk": 3} if kind == "medusa-tree" else spec
     drafter = write_random_drafter(tmp_path / "d", model_dir, scale=0.6)
     tree = {"dspark-tree": {"dspark_tree": 8}, "dspark-tree-auto": PLANNED["dspark-tree-auto"]}.get(kind, {})
-    return {"method": "dspark", "model": str(drafter), **tree}
+    return {"method": "dspark", "model": str(drafter), **CHAIN["dspark"], **tree}
 
 
 @pytest.mark.parametrize("kind,branch", [("medusa", 5), ("medusa-tree", 5), ("dspark", 5), ("dspark-tree", 5),

@@ -94,7 +94,7 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
     samples = res["train_samples"]
     H, Y = build_examples(compute_hidden_states(runner.model, samples), samples, 4)
-    w, b = target_lm_head(runner.model)
+    w, b = target_lm_head(runner)
     trained = evaluate_heads(heads, H, Y, w, b)
     zero = evaluate_heads(MedusaHeads(heads.cfg), H, Y, w, b)
     assert trained["top1"][0] > zero["top1"][0], (trained["top1"], zero["top1"])
