@@ -556,6 +556,8 @@ def cmd_train_medusa(args) -> int:
 
 
 def cmd_train_distill(args) -> int:
+    # the data options are every trainer's (TrainOptions); a trainer's class fills the training fields
+    # that TrainOptions.validate also checks, with their defaults
     targs = from_namespace(MedusaTrainArgs, args, out="")
     targs.validate()
     if not targs.distill_store:

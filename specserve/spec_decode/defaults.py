@@ -2,7 +2,7 @@
 
 A plain method name runs the configuration the bench finds fastest on broad prompts
 (docs/benchmarks.md): for the model drafters a draft tree sized every step by the cost model, with
-the pooled n-gram branches beside the drafter's own nodes (``DEFAULTS``). The simpler variants stay
+the pooled n-gram branches beside the drafter's own nodes (``TREES``, ``OWN``). The simpler variants stay
 one key away, and a key the user gives always wins:
 
 * ``{"method": "medusa", "medusa_tree": None}``: a chain (each head's top token), still cut per step
@@ -32,13 +32,10 @@ TREES: dict[str, tuple[str, object, dict]] = {
 # method -> defaults of its own that apply whatever the tree
 OWN: dict[str, dict] = {"medusa": {"medusa_verify": "auto"}}
 
-DEFAULTS: dict[str, dict] = {m: {tree_key: value, **OWN.get(m, {}), **POOLED_BRANCHES}
-                             for m, (tree_key, value, _) in TREES.items()}
-
 
 def with_defaults(method: str, options: dict) -> dict:
     """``options`` (a ``speculative_config``'s keys other than ``method``) with ``method``'s defaults
-    filled in where the user gave none (``DEFAULTS``; the rules in this module's docstring)."""
+    filled in where the user gave none (the rules in this module's docstring)."""
     if method not in TREES:
         return dict(options)
     tree_key, tree_default, chain_keys = TREES[method]

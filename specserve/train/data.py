@@ -265,9 +265,7 @@ def generate_responses(llm, prompts, ids, max_tokens, temperature, batch_size, s
                                  seed=seeds[i] if temperature > 0 else None) for i in chunk]
         res = llm.generate([{"prompt_token_ids": ids[i]} for i in chunk], params, use_tqdm=False)
         for i, r in zip(chunk, res):
-            p, x = prompts[i], ids[i]
-            out[i] = {"prompt": p if isinstance(p, str) else json.dumps(p),
-                      "ids": list(x) + list(r.outputs[0].token_ids), "prompt_len": len(x)}
+            out[i] = distilled_sample(prompts[i], ids[i], r.outputs[0].token_ids)
             n_tok += len(r.outputs[0].token_ids)
         done += len(chunk)
         if log:
@@ -275,6 +273,12 @@ def generate_responses(llm, prompts, ids, max_tokens, temperature, batch_size, s
             log(f"self-distillation: {done}/{len(ids)} prompts, {n_tok} tokens, {dt:.0f} s "
                 f"({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return out
+
+
+def distilled_sample(prompt, prompt_ids, response_ids) -> dict:
+    """One self-distilled sequence as the trainers take it: ``{"prompt", "ids", "prompt_len"}``."""
+    return {"prompt": prompt if isinstance(prompt, str) else json.dumps(prompt),
+            "ids": list(prompt_ids) + list(response_ids), "prompt_len": len(prompt_ids)}
 
 
 def cache_key(obj) -> str:

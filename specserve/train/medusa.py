@@ -341,8 +341,8 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     t = time.perf_counter()
     zero = evaluate_heads(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size)
     timings["eval_zero_init_s"] = time.perf_counter() - t
-    log(f"held-out top-1 at {'init' if args.init_from else 'zero init'} (the base model's next token as every head's "
-        "guess at zero init): "
+    log((f"held-out top-1 of the heads at {args.init_from}, before training: " if args.init_from else
+         "held-out top-1 at zero init (the base model's next token as every head's guess): ")
         + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
     t = time.perf_counter()
     tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, epochs=args.epochs, lr=args.lr,

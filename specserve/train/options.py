@@ -189,6 +189,8 @@ class TrainOptions:
         if not (0 <= self.warmup < 1):
             raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
         check_distill_temperatures(self)
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.feature_dtype!r}")
 
     @property
     def eval_prompts(self) -> int:

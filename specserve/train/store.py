@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from specserve.models.loader import gguf_source
-from specserve.train.data import DataError, generate_responses
+from specserve.train.data import DataError, distilled_sample, generate_responses
 
 STORE_FILE = "store.json"
 PART_SIZE = 400  # prompts generated (and saved) per part
@@ -128,12 +128,7 @@ class DistillStore:
             out = generate_responses(llm, [prompts[i] for i in todo], [ids[i] for i in todo], max_tokens,
                                      temperature, batch_size, [seeds[i] for i in todo], log)
             self._append(settings, [(ids[i], seeds[i], o["ids"][o["prompt_len"]:]) for i, o in zip(todo, out)])
-        result = []
-        for p, x, s in zip(prompts, ids, seeds):
-            resp = recs[_key(x, s)]
-            result.append({"prompt": p if isinstance(p, str) else json.dumps(p),
-                           "ids": list(x) + resp.tolist(), "prompt_len": len(x)})
-        return result
+        return [distilled_sample(p, x, recs[_key(x, s)].tolist()) for p, x, s in zip(prompts, ids, seeds)]
 
     def _append(self, settings: dict, rows: list[tuple[list[int], int, list[int]]]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)

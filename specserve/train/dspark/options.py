@@ -75,9 +75,8 @@ class DSparkTrainArgs(TrainOptions):
                              f"got {self.markov_head_type!r}")
         if not (self.loss_decay > 0):
             raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
-        for name in ("feature_dtype", "train_dtype"):
-            if getattr(self, name) not in FEATURE_DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(FEATURE_DTYPES)}, got {getattr(self, name)!r}")
+        if self.train_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"train_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.train_dtype!r}")
         if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
             parse_layer_ids(self.target_layer_ids)
         if not (self.save_every_min >= 0):
