@@ -344,7 +344,8 @@ def _add_train_parsers(tsub) -> None:
                     "`train medusa` / `train dspark`), into --distill-store DIR: token ids, compressed, a part saved "
                     "every 400 prompts, so a stopped run continues where it stopped and a later training run with the "
                     "same store generates nothing. Trains nothing.", TrainOptions,
-                    ("out", "draft_vocab_size", "eval_only", "progress"), cmd_train_distill),
+                    ("out", "draft_vocab_size", "eval_only", "progress", "save_every_min", "resume"),
+                    cmd_train_distill),
     }
     for name, (help_text, description, cls, skip, handler) in trainers.items():
         m = tsub.add_parser(name, help=help_text, description=description)

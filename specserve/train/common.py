@@ -468,6 +468,40 @@ class TrainState:
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
 
+    def save_loop(self, model, opt, sched, gen, *, epoch: int, step: int, steps_per_epoch: int, **rest) -> None:
+        """Save a loop at a step boundary: the weights, optimiser, schedule and random generator, where it
+        is (``step`` steps of epoch ``epoch`` done, 0-based epoch) and ``rest`` (its order of the data, running
+        sums and figures so far, ``train_s``); then stop (``TrainingStopped``) if a signal asked for it."""
+        self.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                   "generator": gen.get_state(), "epoch": epoch, "step": step, **rest})
+        if self.stop_requested:
+            raise TrainingStopped(f"training stopped at epoch {epoch + 1} step {step}/{steps_per_epoch}; its "
+                                  f"state is saved in {self.path}: the same command continues from it")
+
+    def load_loop(self, model, opt, sched, gen, steps_per_epoch: int) -> dict | None:
+        """The state ``save_loop`` saved for this run, put back into ``model``, ``opt``, ``sched`` and
+        ``gen``; the whole saved dict is returned (None, with nothing changed, when there is none)."""
+        saved = self.load()
+        if saved is None:
+            return None
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        gen.set_state(saved["generator"])
+        if self.log:
+            self.log(f"resuming training at epoch {saved['epoch'] + 1} step {saved['step']}/{steps_per_epoch} "
+                     f"from {self.path} ({saved['train_s']:.0f} s of training done)")
+        return saved
+
+
+def resumed_phrase(meta: dict) -> str:
+    """What the README says of a run that was stopped and continued (``resumed_at_steps``); "" if none."""
+    at = meta.get("resumed_at_steps")
+    if not at:
+        return ""
+    return (" (the run was stopped and continued from its saved state at step" + ("s " if len(at) > 1 else " ")
+            + ", ".join(map(str, at)) + ": the same weights as one uninterrupted run)")
+
 
 # ---- what decoding would accept -------------------------------------------------------------------------
 def replay_greedy_decoding(hits: torch.Tensor, lengths: list[int]) -> dict:

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -38,10 +39,10 @@ import torch.nn.functional as F
 
 from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
-from specserve.train.common import (adamw_cosine, by_source, decode_section, evaluated_by, extra_phrase,
-                                    extra_record, feature_runner, keep_num_threads, progress_bar, prompt_sources,
-                                    replay_by_source, round_to_bf16_, select_draft_vocab, start_run,
-                                    target_forwards, target_lm_head)
+from specserve.train.common import (TrainState, adamw_cosine, by_source, decode_section, evaluated_by,
+                                    extra_phrase, extra_record, feature_runner, fingerprint, keep_num_threads,
+                                    progress_bar, prompt_sources, replay_by_source, resumed_phrase, round_to_bf16_,
+                                    select_draft_vocab, start_run, target_forwards, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
@@ -225,9 +226,12 @@ def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: to
 # ---- training -----------------------------------------------------------------------------------------
 def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs: int = 2, lr: float = 1e-3,
                 batch_size: int = 256, warmup: float = 0.1, weight_decay: float = 0.0, head_decay: float = 0.8,
-                seed: int = 0, progress: bool = True, log=None) -> dict:
+                seed: int = 0, progress: bool = True, log=None, state: TrainState | None = None) -> dict:
     """Train ``heads`` in place on (H, labels); returns ``epoch_loss`` (mean weighted loss per epoch),
-    ``epoch_top1`` ([epoch][K] training top-1), ``step_loss`` (every step) and ``steps``."""
+    ``epoch_top1`` ([epoch][K] training top-1), ``step_loss`` (every step), ``steps``, ``resumed_at``
+    (the steps a run continued from) and ``train_s`` / ``train_s_before`` (seconds of training in all
+    runs / in the earlier ones). ``state``: where the loop saves itself when due and, if a saved state is
+    there, continues from it with the result of an uninterrupted run; cleared at the end."""
     K = heads.cfg.num_heads
     V = lm_w.shape[0]
     N = len(H)
@@ -236,15 +240,23 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
     params, opt, sched = adamw_cosine(heads, lr, weight_decay, warmup, total)
     w = torch.tensor([head_decay**k for k in range(K)])
     gen = torch.Generator().manual_seed(seed)
-    epoch_loss, epoch_top1, step_loss = [], [], []
+    done = {"epoch_loss": [], "epoch_top1": [], "step_loss": [], "resumed_at": [], "train_s": 0.0}
+    t0 = time.perf_counter()
+    saved = None if state is None else state.load_loop(heads, opt, sched, gen, steps_per_epoch)
+    first_ep = first_step = 0
+    if saved is not None:
+        done = {k: saved[k] for k in done}
+        first_ep, first_step = saved["epoch"], saved["step"]
+        done["resumed_at"] = done["resumed_at"] + [first_ep * steps_per_epoch + first_step]
     heads.train()
-    for ep in range(epochs):
-        perm = torch.randperm(N, generator=gen)
-        bar = progress_bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress)
-        tot_loss = 0.0
-        hits = torch.zeros(K)
-        cnt = torch.zeros(K)
-        for s in range(steps_per_epoch):
+    for ep in range(first_ep, epochs):
+        if saved is not None and ep == first_ep:
+            perm, (tot_loss, hits, cnt) = saved["order"], saved["sums"]
+        else:
+            perm, tot_loss, hits, cnt = torch.randperm(N, generator=gen), 0.0, torch.zeros(K), torch.zeros(K)
+        start = first_step if ep == first_ep else 0
+        bar = progress_bar(steps_per_epoch, f"epoch {ep + 1}/{epochs}", progress, initial=start)
+        for s in range(start, steps_per_epoch):
             idx = perm[s * batch_size : (s + 1) * batch_size]
             h, y = H[idx], labels[idx, 1:]
             y = torch.where(y == OUTSIDE, IGNORE, y)
@@ -263,21 +275,28 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
                 hits += ((logits.argmax(-1) == y) & ok).sum(0).float()
                 cnt += n_k.float()
             lv = loss.detach().item()
-            step_loss.append(lv)
+            done["step_loss"].append(lv)
             tot_loss += lv
             if bar:
                 acc = (hits / cnt.clamp(min=1)).tolist()
                 bar.set_postfix_str(f"loss {lv:.3f} top1 " + "/".join(f"{a:.2f}" for a in acc), refresh=False)
                 bar.update(1)
+            if state is not None and state.due():
+                state.save_loop(heads, opt, sched, gen, epoch=ep, step=s + 1, steps_per_epoch=steps_per_epoch,
+                                order=perm, sums=(tot_loss, hits, cnt),
+                                **{**done, "train_s": done["train_s"] + time.perf_counter() - t0})
         if bar:
             bar.close()
-        epoch_loss.append(tot_loss / steps_per_epoch)
-        epoch_top1.append((hits / cnt.clamp(min=1)).tolist())
+        done["epoch_loss"].append(tot_loss / steps_per_epoch)
+        done["epoch_top1"].append((hits / cnt.clamp(min=1)).tolist())
         if log:
-            log(f"epoch {ep + 1}/{epochs}: mean loss {epoch_loss[-1]:.4f}, training top-1 "
-                + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(epoch_top1[-1])))
+            log(f"epoch {ep + 1}/{epochs}: mean loss {done['epoch_loss'][-1]:.4f}, training top-1 "
+                + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(done["epoch_top1"][-1])))
     heads.eval()
-    return {"epoch_loss": epoch_loss, "epoch_top1": epoch_top1, "step_loss": step_loss, "steps": total}
+    if state is not None:
+        state.clear()
+    before = done["train_s"]
+    return {**done, "steps": total, "train_s": before + time.perf_counter() - t0, "train_s_before": before}
 
 
 # ---- the whole command --------------------------------------------------------------------------------
@@ -307,6 +326,8 @@ class _Data:
     lm_b: torch.Tensor | None
     hid_train: list
     hid_held: list
+    model_fp: str
+    cache_dir: Path
     H: torch.Tensor | None = None
     Y: torch.Tensor | None = None
     Hh: torch.Tensor | None = None
@@ -344,11 +365,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     log((f"held-out top-1 of the heads at {args.init_from}, before training: " if args.init_from else
          "held-out top-1 at zero init (the base model's next token as every head's guess): ")
         + " ".join(f"h{k}={a:.3f}" for k, a in enumerate(zero["top1"])))
-    t = time.perf_counter()
-    tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, epochs=args.epochs, lr=args.lr,
-                     batch_size=args.batch_size, warmup=args.warmup, weight_decay=args.weight_decay,
-                     head_decay=args.head_decay, seed=args.seed, progress=args.progress, log=log)
-    timings["train_s"] = time.perf_counter() - t
+    tr = _train(args, data, heads, log)
     t = time.perf_counter()
     round_to_bf16_(heads)
     ev = _evaluate(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size, data.held_s, data.held_sizes,
@@ -386,7 +403,7 @@ def _distill(args: MedusaTrainArgs, log) -> _Data:
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(runner)
     data = _Data(run.t_start, run.timings, run.data_desc, run.gen_dtype, train_s, held_s, run.held_sizes,
-                 runner.config, lm_w, lm_b, hid_train, hid_held)
+                 runner.config, lm_w, lm_b, hid_train, hid_held, _model_fingerprint(model_dir), cache_dir)
     if kept:
         llm.shutdown()
     del llm, run, runner, model, hidden
@@ -436,6 +453,27 @@ def _new_heads(args: MedusaTrainArgs, data: _Data):
     return mcfg, heads
 
 
+def _train(args: MedusaTrainArgs, data: _Data, heads, log) -> dict:
+    """``train_heads`` with the run's options, its state saved in the cache under a key of everything the
+    trained heads depend on (``save_every_min``), and SIGINT / SIGTERM saving it before they stop."""
+    hyper = dict(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, warmup=args.warmup,
+                 weight_decay=args.weight_decay, head_decay=args.head_decay, seed=args.seed)
+    state = None
+    if args.save_every_min > 0:
+        key = fingerprint({"model": data.model_fp, "feature_dtype": args.feature_dtype, "config": asdict(heads.cfg),
+                           "init": heads.state_dict(), "hyper": hyper, "prompt_lens": [s["prompt_len"] for s in
+                                                                                      data.train_s],
+                           "data": [torch.tensor(s["ids"], dtype=torch.int32) for s in data.train_s]})
+        state = TrainState(data.cache_dir, "medusa-train-state", key, every_s=60.0 * args.save_every_min,
+                           resume=args.resume, log=log)
+    with state.stop_on_signals() if state is not None else contextlib.nullcontext():
+        tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, progress=args.progress, log=log, state=state,
+                         **hyper)
+    data.timings["train_s"] = tr["train_s"]  # earlier runs' part too when it continued a saved state
+    data.t_start -= tr["train_s_before"]
+    return tr
+
+
 def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int, tr: dict, zero: dict,
                    ev: dict) -> dict:
     """The ``training`` record of the heads' ``config.json``."""
@@ -460,6 +498,7 @@ def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int
         "train_response_tokens": n_resp,
         "draft_vocab_size": None if data.vocab_ids is None else data.vocab_ids.numel(),
         "steps": tr["steps"],
+        **({"resumed_at_steps": tr["resumed_at"]} if tr["resumed_at"] else {}),
         "epoch_loss": [round(x, 5) for x in tr["epoch_loss"]],
         "heldout_zero_init_top1": [round(x, 5) for x in zero["top1"]],
         "heldout_zero_init_top5": [round(x, 5) for x in zero["top5"]],
@@ -568,7 +607,7 @@ Generated by `specserve train medusa` (Medusa-1: the target is frozen; only the 
   ({meta['heldout_positions']} positions).
 - **Training:** loss = sum_k {meta['head_loss_decay']}^k CE_k on response positions; AdamW lr {meta['lr']},
   weight decay {meta['weight_decay']}, cosine schedule with {meta['warmup']:.0%} linear warm-up,
-  {meta['batch_size_positions']} positions per step, {meta['epochs']} epoch(s) = {meta['steps']} steps;
+  {meta['batch_size_positions']} positions per step, {meta['epochs']} epoch(s) = {meta['steps']} steps{resumed_phrase(meta)};
   mean loss per epoch {', '.join(f'{x:.3f}' for x in meta['epoch_loss'])}.
 - **Seed:** {meta['seed']}.
 - **Time taken:** {tm['total_s']:.0f} s in all ({phases}) on {meta['threads']} CPU thread(s), torch {meta['torch']}.

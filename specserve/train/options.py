@@ -172,6 +172,12 @@ class TrainOptions:
     draft_vocab_size: int = option(
         0, "draft only among the N most frequent response tokens (a token map / d2t): logits over N rows instead of "
         "the whole vocabulary, cheaper to draft and to train; 0 = the target's vocabulary", type=nonneg_int)
+    save_every_min: float = option(10.0, "save the training loop's state in the cache every MIN minutes (0: never): "
+                                   "the same command run again after the process was stopped continues from it and "
+                                   "writes the weights an uninterrupted run would have written",
+                                   flag="--save-every", type=nonneg_float, metavar="MIN")
+    resume: bool = option(True, "train from the start even when a saved state of the same run is in the cache",
+                          flag="--no-resume")
     eval_only: bool = option(False, "train nothing: evaluate the drafter already at --out on the held-out prompts "
                                     "of the data options and rewrite the held-out figures of its config.json and "
                                     "README.md (its own config decides its shape; its weights are not touched)")
@@ -191,6 +197,8 @@ class TrainOptions:
         check_distill_temperatures(self)
         if self.feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.feature_dtype!r}")
+        if not (self.save_every_min >= 0):
+            raise ValueError(f"save_every_min must be >= 0 (0: never), got {self.save_every_min}")
 
     @property
     def eval_prompts(self) -> int:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specserve.train.common import TrainingStopped, TrainState, adamw_cosine, progress_bar
+from specserve.train.common import TrainState, adamw_cosine, progress_bar
 from specserve.train.data import DataError
 from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights
 
@@ -55,7 +55,8 @@ class _Loop:
         self.sw, self.epochs = sw, epochs
         self.gen = torch.Generator().manual_seed(seed)
         self.t0 = time.perf_counter()
-        if self.state is not None and (saved := self.state.load()) is not None:
+        if self.state is not None and (saved := self.state.load_loop(self.drafter, self.opt, self.sched, self.gen,
+                                                                      self.steps_per_epoch)) is not None:
             self._resume(saved)
         self.drafter.train()
         for ep in range(self.first_ep, epochs):
@@ -69,18 +70,11 @@ class _Loop:
                 "train_s": self.before_s + time.perf_counter() - self.t0, "train_s_before": self.before_s}
 
     def _resume(self, saved: dict) -> None:
-        self.drafter.load_state_dict(saved["drafter"])
-        self.opt.load_state_dict(saved["optimizer"])
-        self.sched.load_state_dict(saved["scheduler"])
-        self.gen.set_state(saved["generator"])
         for k in ("epoch_loss", "epoch_acc", "step_loss", "blocks"):
             self.done[k] = saved[k]
         self.first_ep, self.first_step, self.before_s = saved["epoch"], saved["step"], saved["train_s"]
         self.done["resumed_at"] = saved["resumed_at"] + [self.first_ep * self.steps_per_epoch + self.first_step]
         self.saved = saved
-        if self.log:
-            self.log(f"resuming training at epoch {self.first_ep + 1} step {self.first_step}/{self.steps_per_epoch} "
-                     f"from {self.state.path} ({self.before_s:.0f} s of training done)")
 
     def _epoch(self, ep: int) -> None:
         G, d = self.gamma, self.done
@@ -137,11 +131,8 @@ class _Loop:
 
     def _save(self, ep: int, step: int, order: list[int], sums: list) -> None:
         d = self.done
-        self.state.save({"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                         "scheduler": self.sched.state_dict(), "generator": self.gen.get_state(), "epoch": ep,
-                         "step": step, "order": order, "sums": tuple(sums), "epoch_loss": d["epoch_loss"],
-                         "epoch_acc": d["epoch_acc"], "step_loss": d["step_loss"], "blocks": d["blocks"],
-                         "resumed_at": d["resumed_at"], "train_s": self.before_s + time.perf_counter() - self.t0})
-        if self.state.stop_requested:
-            raise TrainingStopped(f"training stopped at epoch {ep + 1} step {step}/{self.steps_per_epoch}; its state "
-                                  f"is saved in {self.state.path}: the same command continues from it")
+        self.state.save_loop(self.drafter, self.opt, self.sched, self.gen, epoch=ep, step=step,
+                             steps_per_epoch=self.steps_per_epoch, order=order, sums=tuple(sums),
+                             epoch_loss=d["epoch_loss"], epoch_acc=d["epoch_acc"], step_loss=d["step_loss"],
+                             blocks=d["blocks"], resumed_at=d["resumed_at"],
+                             train_s=self.before_s + time.perf_counter() - self.t0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from specserve.spec_decode.dspark.config import MARKOV_HEAD_TYPES
 from specserve.train.common import FEATURE_DTYPES
 from specserve.train.dspark.features import DEFAULT_NUM_TARGET_LAYERS, parse_layer_ids
-from specserve.train.options import TrainOptions, nonneg_float, nonneg_int, option, positive_int
+from specserve.train.options import TrainOptions, nonneg_int, option, positive_int
 
 
 @dataclass(kw_only=True)
@@ -56,12 +56,6 @@ class DSparkTrainArgs(TrainOptions):
     add_layers: int = option(0, "with --init-from: grow the drafter by N decoder layers after its own, their output "
                              "projections zero so it starts as the loaded drafter, then train them all",
                              type=nonneg_int, metavar="N")
-    save_every_min: float = option(10.0, "save the training loop's state in the cache every MIN minutes (0: never): "
-                                   "the same command run again after the process was stopped continues from it and "
-                                   "writes the weights an uninterrupted run would have written",
-                                   flag="--save-every", type=nonneg_float, metavar="MIN")
-    resume: bool = option(True, "train from the start even when a saved state of the same run is in the cache",
-                          flag="--no-resume")
 
     def validate(self) -> None:
         super().validate()
@@ -79,8 +73,6 @@ class DSparkTrainArgs(TrainOptions):
             raise ValueError(f"train_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.train_dtype!r}")
         if isinstance(self.target_layer_ids, str) and self.target_layer_ids.strip().lower() != "auto":
             parse_layer_ids(self.target_layer_ids)
-        if not (self.save_every_min >= 0):
-            raise ValueError(f"save_every_min must be >= 0 (0: never), got {self.save_every_min}")
         if self.init_from is not None and self.eval_only:
             raise ValueError("init_from trains a drafter further; eval_only trains nothing: pass one of them")
         if self.add_layers < 0:
