@@ -188,9 +188,25 @@ def extra_phrase(sd: dict) -> str:
 FEATURE_DTYPES = ("float32", "bfloat16")
 
 
+def feature_key(runner) -> dict:
+    """``{"quantization": ...}`` for features from a quantized target, ``{}`` for a dense one: added to
+    the keys of everything computed from the features (dense runs keep the keys they always had)."""
+    return {"quantization": runner.quantization} if runner.quantization else {}
+
+
+def features_phrase(meta: dict) -> str:
+    """How a README names the forward the features came from: "a bfloat16 forward" (+ " of the target's
+    gguf weights" when the target was quantized)."""
+    q = meta.get("feature_quantization")
+    return f"a {meta.get('feature_dtype', 'float32')} forward" + (f" of the target's {q} weights" if q else "")
+
+
 def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
-    When it is not, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after use."""
+    ``llm``'s own runner when it runs in that dtype, quantized as it generated (e.g. a GGUF's blocks with
+    ``gen_quantization`` gguf: the hidden states the served target gives the drafter), else a dense one.
+    When it is not ``llm``'s, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after
+    use. ``feature_key(runner)`` is what the features' caches and records add for a quantized one."""
     runner = llm.engine.runner
     want = DTYPES[dtype]
     kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want)  # "auto": None
@@ -594,6 +610,11 @@ def target_lm_head(runner) -> tuple[torch.Tensor, torch.Tensor | None]:
     w = head.weight.detach()[:V].float() if head.weight.numel() else runner.full_lm_head_weight()[:V].float()
     b = head.bias.detach()[:V].float() if head.bias is not None else None
     return w, b
+
+
+def target_embedding(runner) -> torch.Tensor:
+    """The target's (frozen) input embedding [V, d], dense and float32 (dequantized when quantized)."""
+    return runner.model.model.embed_tokens.dense_rows()[: runner.model.config.vocab_size].float().clone()
 
 
 def round_to_bf16_(module) -> None:

@@ -4,7 +4,8 @@
    (self-distillation, ``specserve.train.data.self_distill``): the training labels are the target's
    own tokens, which is exactly what the heads must guess at inference. A disjoint held-out set of
    prompts is answered the same way for the final evaluation.
-2. **Hidden states, once.** One cache-free float32 forward of the target over every sequence gives
+2. **Hidden states, once.** One cache-free forward of the target (float32, or ``--feature-dtype``; as
+   quantized as it generated, ``feature_runner``) over every sequence gives
    the final normed hidden state (the ``lm_head`` input) at every position. They are cached on disk
    (keyed by the model and the sequences), so a rerun with other head settings skips the target.
 3. **Heads.** ``MedusaHeads`` (K heads of L ResBlocks, zero-initialised so every head starts as the
@@ -40,9 +41,10 @@ import torch.nn.functional as F
 from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 from specserve.train.common import (TrainState, adamw_cosine, by_source, decode_section, evaluated_by,
-                                    extra_phrase, extra_record, feature_runner, fingerprint, keep_num_threads,
-                                    progress_bar, prompt_sources, replay_by_source, resumed_phrase, round_to_bf16_,
-                                    select_draft_vocab, start_run, target_forwards, target_lm_head)
+                                    extra_phrase, extra_record, feature_key, feature_runner, features_phrase,
+                                    fingerprint, keep_num_threads, progress_bar, prompt_sources, replay_by_source,
+                                    resumed_phrase, round_to_bf16_, select_draft_vocab, start_run, target_forwards,
+                                    target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
@@ -91,10 +93,10 @@ def compute_hidden_states(model, samples: list[dict], max_batch_tokens: int = 40
 
 
 def cached_hidden_states(model, model_dir, samples, cache_dir, log=None, progress=False,
-                         dtype: str = "float32") -> list[torch.Tensor]:
+                         dtype: str = "float32", key: dict | None = None) -> list[torch.Tensor]:
     """``compute_hidden_states`` through a disk cache keyed by the model, its ``dtype`` and the sequences,
-    in chunks of sequences (``cached_chunks``)."""
-    base = {"v": 2, "model": _model_fingerprint(Path(model_dir))}
+    in chunks of sequences (``cached_chunks``); ``key``: more the states depend on (``feature_key``)."""
+    base = {"v": 2, "model": _model_fingerprint(Path(model_dir)), **(key or {})}
     if dtype != "float32":  # float32 states keep the keys they always had
         base["dtype"] = dtype
 
@@ -328,6 +330,7 @@ class _Data:
     hid_held: list
     model_fp: str
     cache_dir: Path
+    feature_key: dict  # ``feature_key``: {} for a dense target's hidden states
     H: torch.Tensor | None = None
     Y: torch.Tensor | None = None
     Hh: torch.Tensor | None = None
@@ -396,14 +399,14 @@ def _distill(args: MedusaTrainArgs, log) -> _Data:
     run.timings["self_distill_s"] = time.perf_counter() - t
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype)
-    model = runner.model
+    model, fkey = runner.model, feature_key(runner)
     hidden = lambda s, model=model: cached_hidden_states(model, model_dir, s, cache_dir, log,  # noqa: E731
-                                                         args.progress, args.feature_dtype)
+                                                         args.progress, args.feature_dtype, fkey)
     hid_train = [] if args.eval_only else by_source(hidden, train_s, run.train_sizes)
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(runner)
     data = _Data(run.t_start, run.timings, run.data_desc, run.gen_dtype, train_s, held_s, run.held_sizes,
-                 runner.config, lm_w, lm_b, hid_train, hid_held, _model_fingerprint(model_dir), cache_dir)
+                 runner.config, lm_w, lm_b, hid_train, hid_held, _model_fingerprint(model_dir), cache_dir, fkey)
     if kept:
         llm.shutdown()
     del llm, run, runner, model, hidden
@@ -460,7 +463,8 @@ def _train(args: MedusaTrainArgs, data: _Data, heads, log) -> dict:
                  weight_decay=args.weight_decay, head_decay=args.head_decay, seed=args.seed)
     state = None
     if args.save_every_min > 0:
-        key = fingerprint({"model": data.model_fp, "feature_dtype": args.feature_dtype, "config": asdict(heads.cfg),
+        key = fingerprint({"model": data.model_fp, "feature_dtype": args.feature_dtype, **data.feature_key,
+                           "config": asdict(heads.cfg),
                            "init": heads.state_dict(), "hyper": hyper, "prompt_lens": [s["prompt_len"] for s in
                                                                                       data.train_s],
                            "data": [torch.tensor(s["ids"], dtype=torch.int32) for s in data.train_s]})
@@ -487,6 +491,7 @@ def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int
         "seed": args.seed,
         "init_from": args.init_from,
         "feature_dtype": args.feature_dtype,
+        **({"feature_quantization": data.feature_key["quantization"]} if data.feature_key else {}),
         "epochs": args.epochs,
         "lr": args.lr,
         "warmup": args.warmup,
@@ -600,8 +605,8 @@ Generated by `specserve train medusa` (Medusa-1: the target is frozen; only the 
 - **Data:** {meta['data']}. The target wrote the responses itself (self-distillation: max
   {meta['self_distillation']['max_tokens']} tokens, temperature {meta['self_distillation']['temperature']},
   {'through its chat template, ' if meta['self_distillation']['chat_template'] else ''}generation dtype
-  {meta['self_distillation']['generation_dtype']}{extra}); hidden states from a {meta.get('feature_dtype', 'float32')}
-  forward of the target.
+  {meta['self_distillation']['generation_dtype']}{extra}); hidden states of the target
+  from {features_phrase(meta)}.
   {meta['train_prompts']} training {'sequences' if extra else 'prompts'} ({meta['train_response_tokens']} response tokens,
   {meta['train_positions']} positions), {meta['heldout_prompts']} disjoint held-out prompts
   ({meta['heldout_positions']} positions).

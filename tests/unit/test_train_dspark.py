@@ -225,6 +225,19 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     readme3 = (tmp_path / "d3" / "README.md").read_text()
     assert "bfloat16 mixed precision" in readme3 and "target features from a bfloat16 forward" in readme3
     _greedy_identical(tiny_llama, tmp_path / "d3", "dspark")
+
+    # the target generating in int8 (as it would be served): the features come from that same int8
+    # target (the drafter reads its hidden states when serving), in cache entries of their own, its
+    # embedding dequantized; the record and README say so
+    logs.clear()
+    args4 = DSparkTrainArgs(**{**args3.__dict__, "out": str(tmp_path / "d4"), "gen_quantization": "int8"})
+    res4 = train_dspark(args4, log=logs.append)
+    assert not any("target features" in m and "cached" in m for m in logs), logs
+    assert res4["train"]["step_loss"][0] != l16 and res4["heldout"]["loss"] < res4["heldout_init"]["loss"]
+    tr4 = json.loads((tmp_path / "d4" / "config.json").read_text())["training"]
+    assert tr4["feature_quantization"] == "int8" and "feature_quantization" not in tr3
+    readme4 = (tmp_path / "d4" / "README.md").read_text()
+    assert "target features from a bfloat16 forward of the target's int8 weights" in readme4
     with pytest.raises(ValueError, match="train_dtype"):
         DSparkTrainArgs(**{**args.__dict__, "train_dtype": "float16"}).validate()
 

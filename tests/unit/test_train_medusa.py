@@ -124,6 +124,23 @@ def test_train_medusa_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
 
 
+def test_train_medusa_features_of_the_quantized_target(tiny_llama, tiny_prompts, cache_dir, tmp_path):
+    """A target generating in int8 (as served) gives the hidden states too, in bfloat16, in cache entries
+    apart from the dense target's; the record and the README say which forward they came from."""
+    from specserve.train.medusa import MedusaTrainArgs, train_medusa
+
+    base = dict(model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=24, max_tokens=16, epochs=1,
+                lr=1e-2, batch_size=64, threads=1, cache_dir=str(cache_dir), progress=False, feature_dtype="bfloat16")
+    dense = train_medusa(MedusaTrainArgs(out=str(tmp_path / "dense"), **base), log=lambda m: None)
+    logs = []
+    q = train_medusa(MedusaTrainArgs(out=str(tmp_path / "q"), gen_quantization="int8", **base), log=logs.append)
+    assert not any("hidden states" in m and "cached" in m for m in logs), logs
+    assert q["meta"]["feature_quantization"] == "int8" and "feature_quantization" not in dense["meta"]
+    readme = {k: (tmp_path / k / "README.md").read_text().replace("\n  ", " ") for k in ("q", "dense")}
+    assert "hidden states of the target from a bfloat16 forward of the target's int8 weights." in readme["q"]
+    assert "hidden states of the target from a bfloat16 forward." in readme["dense"]
+
+
 def test_train_medusa_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir, tmp_path, monkeypatch):
     """A Medusa run whose process dies right after saving its state in the middle of its second epoch,
     started again, continues from that state and writes bit for bit the heads and losses of an

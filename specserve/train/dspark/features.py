@@ -74,11 +74,12 @@ def compute_target_features(model, samples: list[dict], layer_ids, max_batch_tok
     return out
 
 
-def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=None, progress=False):
+def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=None, progress=False,
+                           key: dict | None = None):
     """``compute_target_features`` through a disk cache keyed by the model, sequences and layers, in
-    chunks of sequences (``cached_chunks``)."""
+    chunks of sequences (``cached_chunks``); ``key``: more the features depend on (``feature_key``)."""
     base = {"v": 2, "kind": "dspark-features", "model": _model_fingerprint(Path(model_dir)),
-            "layers": sorted(layer_ids)}
+            "layers": sorted(layer_ids), **(key or {})}
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:  # float32 keeps the key it always had
         base["dtype"] = str(dtype).removeprefix("torch.")

@@ -19,6 +19,7 @@ from specserve.spec_decode.dspark.model import DFlashDrafter
 from specserve.train.common import (
     TrainState,
     by_source,
+    feature_key,
     feature_runner,
     fingerprint,
     keep_num_threads,
@@ -26,6 +27,7 @@ from specserve.train.common import (
     round_to_bf16_,
     select_draft_vocab,
     start_run,
+    target_embedding,
     target_lm_head,
 )
 from specserve.train.data import DataError, _model_fingerprint, stderr_log
@@ -83,6 +85,7 @@ class Job:
     lm_w: torch.Tensor | None = None
     lm_b: torch.Tensor | None = None
     embed_w: torch.Tensor | None = None
+    feature_key: dict | None = None  # ``feature_key``: {} for a dense target's features
     vocab_cover: float = 1.0
 
     @property
@@ -140,14 +143,13 @@ def _prepare(args: DSparkTrainArgs, log) -> Job:
 
     t = time.perf_counter()
     runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype)
-    model = runner.model
-    model_dir = run.model_dir
+    model, model_dir, job.feature_key = runner.model, run.model_dir, feature_key(runner)
     features = lambda s, model=model: cached_target_features(model, model_dir, s, layer_ids,  # noqa: E731
-                                                             job.cache_dir, log, args.progress)
+                                                             job.cache_dir, log, args.progress, job.feature_key)
     job.f_train = [] if args.eval_only else by_source(features, job.train_s, run.train_sizes)
     job.f_held = by_source(features, job.held_s, run.held_sizes)
     job.lm_w, job.lm_b = (x.clone() if x is not None else None for x in target_lm_head(runner))
-    job.embed_w = model.model.embed_tokens.weight.detach()[: tcfg.vocab_size].float().clone()
+    job.embed_w = target_embedding(runner)
     if kept:
         llm.shutdown()
     del llm, run, runner, model, features
@@ -220,7 +222,7 @@ def _draft_vocab(job: Job, drafter, cfg) -> None:
     resp = torch.cat([torch.as_tensor(s["ids"][s["prompt_len"]:], dtype=torch.long) for s in job.held_s])
     job.vocab_cover = float(inside[resp].float().mean()) if resp.numel() else 1.0
     lse_dtype = getattr(torch, job.args.train_dtype)  # the held-out figures are float32 products either way
-    cache = (job.cache_dir, {"model": job.model_fp, "feature_dtype": job.args.feature_dtype})
+    cache = (job.cache_dir, {"model": job.model_fp, "feature_dtype": job.args.feature_dtype, **job.feature_key})
     job.f_train = [(a, h, lse) for (a, h), lse in zip(job.f_train, target_lse(
         job.lm_w, job.lm_b, job.f_train, job.train_s, dtype=lse_dtype, cache=cache, log=job.log))]
     job.f_held = [(a, h, lse) for (a, h), lse in zip(job.f_held, target_lse(
@@ -240,7 +242,8 @@ def _train(job: Job, drafter, cfg, loss_w) -> dict:
                  grad_clip=args.grad_clip, seed=job.train_seed, train_dtype=args.train_dtype)
     state = None
     if args.save_every_min > 0:  # everything the trained weights depend on names the saved state
-        key = fingerprint({"model": job.model_fp, "feature_dtype": args.feature_dtype, "config": cfg.to_dict(),
+        key = fingerprint({"model": job.model_fp, "feature_dtype": args.feature_dtype, **job.feature_key,
+                           "config": cfg.to_dict(),
                            "init": drafter.state_dict(), "hyper": hyper,
                            "data": [torch.tensor(s["ids"], dtype=torch.int32) for s in job.train_s],
                            "prompt_lens": [s["prompt_len"] for s in job.train_s]})
