@@ -548,7 +548,8 @@ def cmd_train_medusa(args) -> int:
           f"positions); head k predicts token t+k+2:")
     for k in range(len(ev["top1"])):
         print(f"  head {k}: top-1 {ev['top1'][k]:.3f}  top-5 {ev['top5'][k]:.3f}"
-              + (f"  (zero init top-1 {zero[k]:.3f})" if zero else ""))
+              + (f"  ({'at init' if res['meta'].get('init_from') else 'zero init'} top-1 {zero[k]:.3f})"
+                 if zero else ""))
     dec = ev["decode"]
     print(f"greedy decoding with {len(ev['top1'])}-token chains, replayed: tau {dec['tau']:.3f} ("
           + " ".join(f"{x:.2f}" for x in dec["acceptance"]) + ")"
