@@ -112,6 +112,71 @@ def assert_replay_is_decoding(model_dir: Path, spec: dict, heldout_samples: list
     assert m["mean_acceptance_length"] == pytest.approx(decode["tau"], abs=0.02)
 
 
+def assert_stopped_run_resumes(train, args_cls, module, prefix: str, base: dict, weights: str, tmp_path: Path,
+                                cache_dir: Path, monkeypatch) -> tuple[dict, dict]:
+    """The resume contract of a trainer ``train(args, log=...)`` whose module ``module`` makes its
+    ``TrainState``: a run (3 epochs of ``base``, a state after every step) whose process dies right after
+    saving in the middle of its second epoch, started again, continues from that state and writes bit for
+    bit the ``weights`` file and step losses of an uninterrupted run, says so in its README and record;
+    another learning rate does not pick that state up; ``resume=False`` starts over; the state
+    (``{prefix}-*.pt``) goes when a run ends. Returns (uninterrupted, resumed) results."""
+    from safetensors.torch import load_file
+
+    quiet = lambda m: None  # noqa: E731
+    ref = train(args_cls(out=str(tmp_path / "ref"), save_every_min=0, **base), log=quiet)
+    per_epoch = ref["train"]["steps"] // 3
+    stop_at = per_epoch + 2  # epoch 2, step 2
+    assert base["epochs"] == 3 and per_epoch >= 3
+
+    class Killed(Exception):
+        pass
+
+    real = module.TrainState
+
+    class DiesAfterSaving(real):
+        def save(self, st):
+            super().save(st)
+            if st["epoch"] * per_epoch + st["step"] == stop_at:
+                raise Killed
+
+    args = args_cls(out=str(tmp_path / "run"), save_every_min=1e-7, **base)  # a state after every step
+
+    def killed_run(a):
+        monkeypatch.setattr(module, "TrainState", DiesAfterSaving)
+        with pytest.raises(Killed):
+            train(a, log=quiet)
+        monkeypatch.setattr(module, "TrainState", real)
+        (f,) = cache_dir.glob(f"{prefix}-*.pt")
+        return f
+
+    state = killed_run(args)
+    assert not (tmp_path / "run").exists()
+    logs = []
+    other = train(args_cls(**{**args.__dict__, "out": str(tmp_path / "o"), "lr": base["lr"] * 0.7}), log=logs.append)
+    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in other["meta"]
+    assert state.exists()  # not that run's state
+    logs.clear()
+    res = train(args, log=logs.append)
+    assert sum(f"resuming training at epoch 2 step 2/{per_epoch} from {state}" in m for m in logs) == 1, logs
+    assert not state.exists()
+    assert res["train"]["step_loss"] == ref["train"]["step_loss"]
+    assert res["train"]["epoch_loss"] == ref["train"]["epoch_loss"]
+    w_ref, w_res = (load_file(str(tmp_path / d / weights)) for d in ("ref", "run"))
+    assert set(w_ref) == set(w_res) and all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
+    assert res["meta"]["resumed_at_steps"] == [stop_at] and res["train"]["train_s"] > res["train"]["train_s_before"] > 0
+    readme = (tmp_path / "run" / "README.md").read_text()
+    assert f"continued from its saved state at step {stop_at}: the same weights" in readme
+    # resume=False: from the start (same result), and the stale state goes
+    state = killed_run(args)
+    logs.clear()
+    again = train(args_cls(**{**args.__dict__, "resume": False}), log=logs.append)
+    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in again["meta"]
+    assert again["train"]["step_loss"] == ref["train"]["step_loss"] and not state.exists()
+    with pytest.raises(ValueError, match="save_every_min"):
+        args_cls(out="z", save_every_min=-1).validate()
+    return ref, res
+
+
 def hf_model(path, dtype=torch.float32):
     import transformers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_replay_is_decoding
+from conftest import assert_replay_is_decoding, assert_stopped_run_resumes
 
 from specserve.train.dspark import (IGNORE, block_outputs, collate, default_target_layer_ids, drafter_config,
                                     fit_sts, init_drafter_, resolve_layer_ids, slot_states, slot_weights, target_lse)
@@ -467,73 +467,17 @@ def test_cli_train_dspark_add_layers_grows_the_loaded_drafter(tiny_llama, tiny_p
 
 
 def test_train_dspark_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir, tmp_path, monkeypatch):
-    """A run stopped part-way (here: the process dies right after saving its state in the middle of its
-    second epoch) and started again continues from the saved state and writes bit for bit the weights and
-    the losses of an uninterrupted run; another learning rate does not pick that state up; ``resume=False``
-    starts over; the state is removed when a run ends."""
-    from safetensors.torch import load_file
-
+    """A run stopped part-way continues from its saved state to the weights, losses and held-out figures
+    of an uninterrupted run (``assert_stopped_run_resumes``)."""
     import specserve.train.dspark as ds
     import specserve.train.dspark.run as ds_run
 
     base = dict(model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40, max_tokens=24, block_size=4,
                 markov_rank=8, epochs=3, lr=3e-3, batch_size=8, anchors_per_seq=6, threads=1,
                 cache_dir=str(cache_dir), progress=False)
-    quiet = lambda m: None  # noqa: E731
-    ref = ds.train_dspark(ds.DSparkTrainArgs(out=str(tmp_path / "ref"), save_every_min=0, **base), log=quiet)
-    per_epoch = ref["train"]["steps"] // 3
-    stop_at = per_epoch + 2  # epoch 2, step 2
-    assert per_epoch >= 3
-
-    class Killed(Exception):
-        pass
-
-    real = ds_run.TrainState
-
-    class DiesAfterSaving(real):
-        def save(self, st):
-            super().save(st)
-            if st["epoch"] * per_epoch + st["step"] == stop_at:
-                raise Killed
-
-    args = ds.DSparkTrainArgs(out=str(tmp_path / "run"), save_every_min=1e-7, **base)  # a state after every step
-
-    def killed_run(a):
-        monkeypatch.setattr(ds_run, "TrainState", DiesAfterSaving)
-        with pytest.raises(Killed):
-            ds.train_dspark(a, log=quiet)
-        monkeypatch.setattr(ds_run, "TrainState", real)
-        (f,) = cache_dir.glob("dspark-train-state-*.pt")
-        return f
-
-    state = killed_run(args)
-    assert not (tmp_path / "run").exists()
-    logs = []
-    other = ds.train_dspark(ds.DSparkTrainArgs(**{**args.__dict__, "out": str(tmp_path / "o"), "lr": 2e-3}),
-                            log=logs.append)
-    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in other["meta"]
-    assert state.exists()  # not that run's state
-    logs.clear()
-    res = ds.train_dspark(args, log=logs.append)
-    assert sum(f"resuming training at epoch 2 step 2/{per_epoch} from {state}" in m for m in logs) == 1, logs
-    assert not state.exists()
-    assert res["train"]["step_loss"] == ref["train"]["step_loss"]
-    assert res["train"]["epoch_loss"] == ref["train"]["epoch_loss"]
+    ref, res = assert_stopped_run_resumes(ds.train_dspark, ds.DSparkTrainArgs, ds_run, "dspark-train-state", base,
+                                          "model.safetensors", tmp_path, cache_dir, monkeypatch)
     assert res["heldout"]["loss"] == ref["heldout"]["loss"] and res["sts"] == ref["sts"]
-    w_ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
-    w_res = load_file(str(tmp_path / "run" / "model.safetensors"))
-    assert set(w_ref) == set(w_res) and all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
-    assert res["meta"]["resumed_at_steps"] == [stop_at] and res["train"]["train_s"] > res["train"]["train_s_before"] > 0
-    readme = (tmp_path / "run" / "README.md").read_text()
-    assert f"continued from its saved state at step {stop_at}: the same weights" in readme
-    # resume=False: from the start (same result), and the stale state goes
-    state = killed_run(args)
-    logs.clear()
-    again = ds.train_dspark(ds.DSparkTrainArgs(**{**args.__dict__, "resume": False}), log=logs.append)
-    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in again["meta"]
-    assert again["train"]["step_loss"] == ref["train"]["step_loss"] and not state.exists()
-    with pytest.raises(ValueError, match="save_every_min"):
-        ds.DSparkTrainArgs(out="z", save_every_min=-1).validate()
 
 
 def test_cli_train_dspark_ctrl_c_saves_and_the_same_command_continues(tiny_llama, tiny_prompts, cache_dir, tmp_path,

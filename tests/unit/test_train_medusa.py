@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_replay_is_decoding
+from conftest import assert_replay_is_decoding, assert_stopped_run_resumes
 
 from specserve import LLM, SamplingParams
 from specserve.train.data import is_heldout, read_prompts_file, split_prompts
@@ -142,71 +142,16 @@ def test_train_medusa_features_of_the_quantized_target(tiny_llama, tiny_prompts,
 
 
 def test_train_medusa_resumes_a_stopped_run(tiny_llama, tiny_prompts, cache_dir, tmp_path, monkeypatch):
-    """A Medusa run whose process dies right after saving its state in the middle of its second epoch,
-    started again, continues from that state and writes bit for bit the heads and losses of an
-    uninterrupted run; another learning rate does not pick the state up; ``resume=False`` starts over."""
-    from safetensors.torch import load_file
-
+    """A Medusa run stopped part-way continues from its saved state to the heads, losses and held-out
+    figures of an uninterrupted run (``assert_stopped_run_resumes``)."""
     import specserve.train.medusa as tm
 
     base = dict(model=str(tiny_llama), prompts_file=str(tiny_prompts), num_prompts=40, max_tokens=24, epochs=3,
                 lr=1e-2, batch_size=64, threads=1, cache_dir=str(cache_dir), progress=False)
-    quiet = lambda m: None  # noqa: E731
-    ref = tm.train_medusa(tm.MedusaTrainArgs(out=str(tmp_path / "ref"), save_every_min=0, **base), log=quiet)
-    per_epoch = ref["train"]["steps"] // 3
-    stop_at = per_epoch + 2  # epoch 2, step 2
-    assert per_epoch >= 3
-
-    class Killed(Exception):
-        pass
-
-    real = tm.TrainState
-
-    class DiesAfterSaving(real):
-        def save(self, st):
-            super().save(st)
-            if st["epoch"] * per_epoch + st["step"] == stop_at:
-                raise Killed
-
-    args = tm.MedusaTrainArgs(out=str(tmp_path / "run"), save_every_min=1e-7, **base)  # a state after every step
-
-    def killed_run(a):
-        monkeypatch.setattr(tm, "TrainState", DiesAfterSaving)
-        with pytest.raises(Killed):
-            tm.train_medusa(a, log=quiet)
-        monkeypatch.setattr(tm, "TrainState", real)
-        (f,) = cache_dir.glob("medusa-train-state-*.pt")
-        return f
-
-    state = killed_run(args)
-    assert not (tmp_path / "run").exists()
-    logs = []
-    other = tm.train_medusa(tm.MedusaTrainArgs(**{**args.__dict__, "out": str(tmp_path / "o"), "lr": 5e-3}),
-                            log=logs.append)
-    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in other["meta"]
-    assert state.exists()  # not that run's state
-    logs.clear()
-    res = tm.train_medusa(args, log=logs.append)
-    assert sum(f"resuming training at epoch 2 step 2/{per_epoch} from {state}" in m for m in logs) == 1, logs
-    assert not state.exists()
-    assert res["train"]["step_loss"] == ref["train"]["step_loss"]
-    assert res["train"]["epoch_loss"] == ref["train"]["epoch_loss"]
+    ref, res = assert_stopped_run_resumes(tm.train_medusa, tm.MedusaTrainArgs, tm, "medusa-train-state", base,
+                                          "medusa.safetensors", tmp_path, cache_dir, monkeypatch)
     assert res["train"]["epoch_top1"] == ref["train"]["epoch_top1"]
     assert res["heldout"]["top1"] == ref["heldout"]["top1"]
-    w_ref = load_file(str(tmp_path / "ref" / "medusa.safetensors"))
-    w_res = load_file(str(tmp_path / "run" / "medusa.safetensors"))
-    assert set(w_ref) == set(w_res) and all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
-    assert res["meta"]["resumed_at_steps"] == [stop_at] and res["train"]["train_s"] > res["train"]["train_s_before"] > 0
-    readme = (tmp_path / "run" / "README.md").read_text()
-    assert f"continued from its saved state at step {stop_at}: the same weights" in readme
-    # resume=False: from the start (same result), and the stale state goes
-    state = killed_run(args)
-    logs.clear()
-    again = tm.train_medusa(tm.MedusaTrainArgs(**{**args.__dict__, "resume": False}), log=logs.append)
-    assert not any("resuming" in m for m in logs) and "resumed_at_steps" not in again["meta"]
-    assert again["train"]["step_loss"] == ref["train"]["step_loss"] and not state.exists()
-    with pytest.raises(ValueError, match="save_every_min"):
-        tm.MedusaTrainArgs(out="z", save_every_min=-1).validate()
 
 
 def test_cli_train_medusa_own_lm_head(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
