@@ -32,7 +32,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,7 +66,9 @@ class MedusaTrainArgs(TrainOptions):
     head_decay: float = 0.8  # loss weight of head k: head_decay**k
     batch_size: int = option(256, "positions per step", type=positive_int)
     init_from: str | None = option(None, "start from the heads at DIR (their head count, blocks and draft "
-                                         "vocabulary) and train them further", metavar="DIR")
+                                         "vocabulary) and train them further; a --num-layers above theirs adds "
+                                         "zero-initialised blocks after them (the same heads at the start)",
+                                   metavar="DIR")
 
     def validate(self) -> None:
         super().validate()
@@ -341,11 +343,15 @@ class _Data:
 
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     data = _distill(args, log)
-    heads = None
+    heads, grown_from = None, None
     if args.eval_only or args.init_from:  # those heads decide the head count and the draft vocabulary
         mcfg, sd = load_medusa_checkpoint(args.init_from or args.out, data.cfg_t.hidden_size, data.cfg_t.vocab_size)
         heads = MedusaHeads(mcfg, dtype=torch.float32)
         heads.load_state(sd)
+        if args.init_from and args.num_layers > mcfg.num_layers:
+            heads, grown_from = grow_blocks(heads, args.num_layers), mcfg.num_layers
+            log(f"{args.num_layers - mcfg.num_layers} zero-initialised block(s) added after each head's "
+                f"{mcfg.num_layers} (x + SiLU(0) = x: the same heads at the start)")
         if heads.token_map is not None:
             data.vocab_ids = heads.token_map.clone()
     elif 0 < args.draft_vocab_size < data.cfg_t.vocab_size:
@@ -379,6 +385,8 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     out = Path(args.out)
     command = command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")"
     meta = _training_meta(args, command, data, n_resp, tr, zero, ev)
+    if grown_from is not None:
+        meta["init_num_layers"] = grown_from
     heads.save(out, dtype=torch.bfloat16, extra_config={"heldout_topk_accuracy": ev["topk"],
                                                          "head_temperatures": ev["head_temperatures"],
                                                          "training": meta})
@@ -432,6 +440,22 @@ def _examples(data: _Data, num_heads: int, log) -> None:
     data.coverage = float((yh != OUTSIDE).float().mean()) if yh.numel() else 1.0
     log(f"draft vocabulary: the {vocab_ids.numel()} most frequent response tokens, covering "
         f"{100 * data.coverage:.2f}% of the held-out labels")
+
+
+def grow_blocks(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
+    """``heads`` with ``num_layers`` residual blocks per head: its own blocks first, then zero-initialised
+    ones (``x + SiLU(0 x + 0) = x``), so the grown heads compute what ``heads`` computes."""
+    grown = MedusaHeads(replace(heads.cfg, num_layers=num_layers), dtype=torch.float32)
+    with torch.no_grad():
+        for old, new in zip(heads.blocks, grown.blocks):
+            for a, b in zip(old, new):
+                b.load_state_dict(a.state_dict())
+        if heads.lm_heads is not None:
+            for a, b in zip(heads.lm_heads, grown.lm_heads):
+                b.load_state_dict(a.state_dict())
+        if heads.token_map is not None:
+            grown.token_map.copy_(heads.token_map)
+    return grown
 
 
 def _new_heads(args: MedusaTrainArgs, data: _Data):
@@ -592,7 +616,9 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
     start = "at init" if init else "at zero init"
     start_text = (f'"At init" is the heads of `{init}` this run started from, before training.' if init else
                   '"Zero init" is the same heads before training, i.e. every head guessing the base model\'s next token.')
-    init_line = (f"\n- **Initialised from** the heads at `{init}` (their shape and draft vocabulary), trained "
+    grown = meta.get("init_num_layers")
+    shape = (f"their {grown} ResBlock(s) per head first, then zero-initialised ones" if grown else "their shape")
+    init_line = (f"\n- **Initialised from** the heads at `{init}` ({shape} and draft vocabulary), trained "
                  "further by the command above." if init else "")
     return f"""# Medusa heads for {meta['target_model']}
 

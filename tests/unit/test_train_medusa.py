@@ -281,12 +281,44 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
     assert "**Initialised from** the heads at" in (more / "README.md").read_text()
     assert main([*argv[:2], "--eval-only", *argv[2:]]) == 2
     assert "--init-from trains the heads at DIR further" in capsys.readouterr().err
+    # a --num-layers above theirs adds zero-initialised blocks after theirs: the same heads at the start
+    deeper = tmp_path / "deeper"
+    assert main([*[str(deeper) if a == str(more) else a for a in argv], "--num-layers", "2"]) == 0
+    grown2 = json.loads((deeper / "config.json").read_text())
+    assert grown2["num_layers"] == 2 and grown2["num_heads"] == 3
+    assert grown2["training"]["heldout_zero_init_top1"] == pytest.approx(before["training"]["heldout_top1"])
+    assert grown2["training"]["heldout_top1"] != before["training"]["heldout_top1"]
+    assert _load_heads(deeper)[0].blocks[2][1].weight.abs().sum() > 0  # the added blocks trained
+    assert grown2["training"]["init_num_layers"] == 1
+    assert "their 1 ResBlock(s) per head first, then zero-initialised ones" in (deeper / "README.md").read_text()
     # hidden states from a bfloat16 forward of the target (its lm_head then read from the checkpoint): the
     # same figures up to bfloat16's rounding
     argv = [a for a in argv if a not in ("--init-from", str(out))]
     assert main([*argv[:2], "--eval-only", "--feature-dtype", "bfloat16", *argv[2:]]) == 0
     again = json.loads((more / "config.json").read_text())["training"]
     assert again["heldout_top1"] == pytest.approx(grown["training"]["heldout_top1"], abs=0.05)
+
+
+def test_grown_heads_compute_what_the_heads_computed():
+    from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
+    from specserve.train.medusa import grow_blocks
+
+    heads = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1, hidden_size=16, vocab_size=40, shared_lm_head=True,
+                                     bias=True, base_model="test", draft_vocab_size=24))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        heads.token_map.copy_(torch.randperm(40, generator=g)[:24])
+    grown = grow_blocks(heads, 3)
+    assert grown.cfg.num_layers == 3 and [len(b) for b in grown.blocks] == [3, 3]
+    assert torch.equal(grown.token_map, heads.token_map)
+    x = torch.randn(5, 16, generator=g)
+    with torch.no_grad():
+        assert torch.equal(grown.head_states(x), heads.head_states(x))
+        for p in grown.blocks[0][2].parameters():  # an added block is trainable from zero: x + SiLU(W x + b)
+            p.add_(0.1)
+        assert not torch.equal(grown.head_states(x), heads.head_states(x))
 
 
 @pytest.mark.parametrize("true_t", [0.5, 2.0])
