@@ -9,6 +9,7 @@ from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_
 
 from specserve import LLM, SamplingParams
 from specserve.spec_decode.dspark.config import DSparkConfig, expected_state_shapes
+from specserve.spec_decode.dspark import proposer as proposer_mod
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
@@ -145,6 +146,40 @@ def test_engine_drafts_from_the_features_of_the_kept_prefix(small_vocab_model, t
         ref = w.drafter.propose_batch([anchor], [start], [cache], w.embed, w.logits_fn, None, [None], tokens.shape[1])
         assert torch.equal(ref.tokens, tokens)
         torch.testing.assert_close(ref.confidences, conf, atol=1e-4, rtol=1e-4)
+
+
+def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_model, tmp_path):
+    """Features observed over steps without drafts wait and are projected in one call when the sequence
+    drafts next: its cache then holds what step-by-step extension gives; a reset drops the wait, and a
+    forgotten sequence leaves nothing behind."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
+    llm = LLM(model=str(small_vocab_model), dtype="float32",
+              speculative_config={"method": "dspark", **CHAIN, "model": str(drafter)})
+    prop = llm.engine.proposer
+    w = prop.worker
+    ids = [5, 1, 12, 9, 3, 7, 7, 2, 11, 4, 6]
+    feats = torch.cat(llm.engine.runner.forward(0, [ids], [0], "none", aux_layers=prop.aux_layers).aux, dim=-1)[0]
+    w.observe(-1, torch.zeros(3, feats.shape[1]), reset=True)  # another prompt's, then reset
+    for a, b, reset in [(0, 5, True), (5, 6, False), (6, 9, False), (9, 11, False)]:
+        w.observe(-1, feats[a:b], reset)
+    assert len(w.caches[-1]) == 0 and len(w.pending[-1]) == 4  # nothing projected yet
+    (cache,) = w.ready_caches([-1])
+    ref = w.drafter.new_cache()
+    for a, b in [(0, 5), (5, 6), (6, 9), (9, 11)]:
+        ref.extend(feats[a:b], list(range(a, b)))
+    assert len(cache) == 11 and torch.equal(cache.positions, ref.positions) and -1 not in w.pending
+    torch.testing.assert_close(cache.k[:, :, :11], ref.k[:, :, :11], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :11], ref.v[:, :, :11], rtol=1e-5, atol=1e-5)
+    w.observe(-1, feats[:2], reset=False)
+    w.forget(-1)
+    assert -1 not in w.caches and -1 not in w.pending
+    # a sequence that goes long without drafts has its features projected at MAX_WAITING_POSITIONS
+    many = feats[:1].expand(proposer_mod.MAX_WAITING_POSITIONS, -1)
+    w.observe(-2, many[:-1], reset=True)
+    assert len(w.caches[-2]) == 0
+    w.observe(-2, many[-1:], reset=False)
+    assert len(w.caches[-2]) == proposer_mod.MAX_WAITING_POSITIONS and -2 not in w.pending
+    w.forget(-2)
 
 
 def test_tree_drafting_reads_the_features_of_the_accepted_path(small_vocab_model, tmp_path):

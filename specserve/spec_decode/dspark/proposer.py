@@ -132,11 +132,16 @@ def _generator(state):
     return g
 
 
+MAX_WAITING_POSITIONS = 64  # target features a sequence keeps unprojected at most (memory)
+
+
 class DSparkDraftWorker:
     """The drafter on one rank, next to that rank's ``ModelRunner``: the weights, one ``DraftCache``
     per running sequence, and batched drafting. Every rank gets the same calls with the same arguments
     (sampling generators travel as their states), so all ranks draft the same tokens and meet at the
-    same collectives; only the driver's results are used."""
+    same collectives; only the driver's results are used. The target features of committed positions
+    wait (``pending``) until the sequence drafts next: steps the cost model or the gate leave without
+    drafts project nothing, and the wait projects them in one call."""
 
     def __init__(self, runner, model_path: str, markov_replicate: bool = True, draft_dtype: str = "auto",
                  draft_quantization: str = "auto"):
@@ -160,30 +165,46 @@ class DSparkDraftWorker:
         # a drafter without its own lm_head reads the target's, in the target's dtype
         self.logits_fn = lambda h: target_logits(h.to(target_dtype))
         self.caches: dict[int, object] = {}
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.max_waiting = MAX_WAITING_POSITIONS
 
     @torch.inference_mode()
     def observe(self, seq_id: int, features, reset: bool) -> None:
-        """Append the target features [n, m*d] (a tensor, or a numpy array: what crosses the pipe to the
+        """Keep the target features [n, m*d] (a tensor, or a numpy array: what crosses the pipe to the
         other ranks, plain bytes) of the positions now kept for ``seq_id`` (the cache holds the committed
-        prefix, so they continue it; ``reset``: a new prompt starts at position 0)."""
-        features = torch.as_tensor(features, device=self.device)
-        cache = self.caches.get(seq_id)
-        if cache is None:
-            cache = self.caches[seq_id] = self.drafter.new_cache()
+        prefix, so they continue it; ``reset``: a new prompt starts at position 0) until it drafts."""
+        if seq_id not in self.caches:
+            self.caches[seq_id] = self.drafter.new_cache()
         if reset:
-            cache.reset()
-        start = len(cache)
-        cache.extend(features, list(range(start, start + features.shape[0])))
+            self.caches[seq_id].reset()
+            self.pending[seq_id] = []
+        waiting = self.pending.setdefault(seq_id, [])
+        waiting.append(torch.as_tensor(features, device=self.device))
+        if sum(len(f) for f in waiting) >= self.max_waiting:  # a sequence that long without drafts
+            self.ready_caches([seq_id])
+
+    @torch.inference_mode()
+    def ready_caches(self, seq_ids) -> list:
+        """The sequences' caches, their waiting features projected (one ``extend`` each)."""
+        for i in seq_ids:
+            parts = self.pending.pop(i, None)
+            if parts:
+                cache = self.caches[i]
+                features = parts[0] if len(parts) == 1 else torch.cat(parts)
+                start = len(cache)
+                cache.extend(features, list(range(start, start + features.shape[0])))
+        return [self.caches[i] for i in seq_ids]
 
     def forget(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, gen_states=None):
         """One block per sequence, one forward. Returns (``DraftBlock`` with a batch dimension, the
         generators' states after sampling) on the driver, None elsewhere."""
         gens = [_generator(None if st is None else torch.as_tensor(st)) for st in (gen_states or [None] * len(seq_ids))]
-        blk = self.drafter.propose_batch(anchors, starts, [self.caches[i] for i in seq_ids], self.embed,
+        blk = self.drafter.propose_batch(anchors, starts, self.ready_caches(seq_ids), self.embed,
                                          self.logits_fn, temperatures, gens, num_drafts)
         if not self.tp.is_driver:
             return None
@@ -194,7 +215,7 @@ class DSparkDraftWorker:
                      beam: int = 4, confidence_temperatures=None):
         """Candidate draft trees, one per sequence, from one block forward (``DraftTree`` on the driver,
         None elsewhere)."""
-        tree = self.drafter.propose_tree_batch(anchors, starts, [self.caches[i] for i in seq_ids], self.embed,
+        tree = self.drafter.propose_tree_batch(anchors, starts, self.ready_caches(seq_ids), self.embed,
                                                self.logits_fn, temperatures, num_drafts, topk, beam,
                                                confidence_temperatures)
         return tree if self.tp.is_driver else None
