@@ -13,6 +13,8 @@ from specserve.spec_decode.tree_select import graft, split_items
 
 log = logging.getLogger("specserve.spec_decode")
 
+COST_TABLE_SIZE = 257  # token counts whose verify cost ``verify_cost`` keeps in a list
+
 
 class ModelDrafter(Proposer):
     """Base of the drafters with a model of their own. ``verify_costs``: seconds of a target forward by
@@ -20,7 +22,7 @@ class ModelDrafter(Proposer):
     acceptance (``online_calibration``, in the "auto" modes)."""
 
     def __init__(self, online_calibration: bool = True):
-        self.verify_costs: dict[int, float] | None = None
+        self.verify_costs = None
         self.online_calibration = bool(online_calibration)
         self.calibration: AcceptanceCalibration | None = None
         self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes: their shapes recur
@@ -33,9 +35,20 @@ class ModelDrafter(Proposer):
             self.calibration = AcceptanceCalibration(max_depth)
         log.info("%s auto: verify cost %s ms", self.name, {n: round(v * 1e3, 1) for n, v in self.verify_costs.items()})
 
+    @property
+    def verify_costs(self) -> dict[int, float] | None:
+        return self._verify_costs
+
+    @verify_costs.setter
+    def verify_costs(self, costs: dict[int, float] | None) -> None:
+        self._verify_costs, self._cost_table = costs, None
+
     def verify_cost(self, n: int) -> float:
-        """Seconds of a target forward over ``n`` tokens, interpolated in ``verify_costs``."""
-        return interp_cost(self.verify_costs, n)
+        """Seconds of a target forward over ``n`` tokens, interpolated in ``verify_costs`` (a table of
+        the first ``COST_TABLE_SIZE`` counts made once: a step asks for many)."""
+        if self._cost_table is None:
+            self._cost_table = [interp_cost(self._verify_costs, k) for k in range(COST_TABLE_SIZE)]
+        return self._cost_table[n] if 0 <= n < COST_TABLE_SIZE else interp_cost(self._verify_costs, n)
 
     def verify_counts(self, survival: list[list[float]], draft_cost: float = 0.0) -> list[int]:
         """How many of each request's scored nodes to verify (``cost_model.choose_verify_lengths``)."""

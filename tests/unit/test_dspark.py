@@ -322,6 +322,19 @@ def test_choose_verify_lengths_is_the_best_choice():
         choose_verify_lengths([[0.1, 0.9]], lambda n: 1.0)
 
 
+def test_verify_cost_table_follows_the_costs():
+    """``ModelDrafter.verify_cost`` answers from a table of the first counts: the interpolation at every
+    count, past the table too, and a new cost dict replaces it."""
+    from specserve.spec_decode.cost_model import interp_cost
+    from specserve.spec_decode.model_drafter import COST_TABLE_SIZE, ModelDrafter
+
+    d = ModelDrafter()
+    for costs in ({1: 1.0, 4: 1.7, 16: 5.2}, {1: 2.0, 300: 9.0}):
+        d.verify_costs = costs
+        assert [d.verify_cost(n) for n in range(COST_TABLE_SIZE + 40)] == [
+            interp_cost(costs, n) for n in range(COST_TABLE_SIZE + 40)]
+
+
 def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={  # the cost model alone

@@ -69,6 +69,26 @@ def test_head_math_matches_formula():
     assert torch.allclose(heads.logits(x), got, atol=1e-4)
 
 
+def test_first_blocks_in_8_bits_compute_the_quantized_weights():
+    """Beside a quantized target the heads' first blocks run as one 8-bit GEMM (group kernel): the
+    states of the same heads with those blocks' weights quantized and dequantized, up to bfloat16."""
+    from specserve.layers.quant import quantize
+
+    torch.manual_seed(0)
+    cfg = MedusaConfig(num_heads=3, num_layers=2, hidden_size=64, vocab_size=11, shared_lm_head=False)
+    heads, ref = MedusaHeads(cfg), MedusaHeads(cfg)
+    with torch.no_grad():
+        for p, q in zip(heads.parameters(), ref.parameters()):
+            q.copy_(p.copy_(torch.randn_like(p) * 0.2))
+        for blocks in ref.blocks:
+            blocks[0].weight.copy_(quantize(blocks[0].weight, 8, 32).dequantize())
+    heads.pack_first_blocks(8)
+    assert heads._first[0].kind == "int8-g32"
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(heads.head_states(x), ref.head_states(x), atol=3e-2, rtol=3e-2)
+    assert torch.allclose(heads.logits(x), ref.logits(x), atol=5e-2, rtol=5e-2)
+
+
 def test_greedy_tree_and_expected_tokens():
     acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
     paths = greedy_tree(acc, 4)

@@ -36,6 +36,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
+from specserve.layers.quant import make_kernel, quantize
 from specserve.models.loader import CheckpointError
 
 FORMAT = "specserve-medusa"
@@ -103,25 +104,36 @@ class MedusaHeads(nn.Module):
         """Indices into the heads' logits -> target token ids."""
         return idx if self.token_map is None else self.token_map[idx]
 
-    def pack_first_blocks(self) -> None:
-        """Run every head's first residual block as one GEMM (CPU: a oneDNN-packed copy of their stacked
-        weights): one weight read a drafting step instead of one small GEMM a head."""
+    def pack_first_blocks(self, bits: int | None = None) -> None:
+        """Run every head's first residual block as one GEMM: one weight read a drafting step instead of
+        one small GEMM a head. CPU: a oneDNN-packed copy of their stacked weights, or with ``bits`` (8 or
+        4) the weights quantized in groups of 32 columns through ``layers.quant``'s kernels (beside a
+        quantized target: fewer bytes a step; the heads only draft)."""
         if self.cfg.num_layers == 0:
             return
         first = [blocks[0] for blocks in self.blocks]
         w = torch.cat([b.weight.detach() for b in first])
-        self._first = (torch.ops.mkldnn._reorder_linear_weight(w, 16),
-                       torch.cat([b.bias.detach() for b in first]) if self.cfg.bias else None)
+        bias = torch.cat([b.bias.detach() for b in first]) if self.cfg.bias else None
+        if bits:
+            self._first = (make_kernel(quantize(w, bits, 32, f"int{bits}-g32")), bias)
+        else:
+            self._first = (torch.ops.mkldnn._reorder_linear_weight(w, 16), bias)
 
-    _first = None  # (packed stacked weight, stacked bias) of the heads' first blocks: ``pack_first_blocks``
+    _first = None  # (packed stacked weight or quantized kernel, stacked bias): ``pack_first_blocks``
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, K, d]: each head's residual stack applied to the target state."""
         first = None
-        if self._first is not None and hidden.dtype == self._first[0].dtype:
-            K, d = self.cfg.num_heads, self.cfg.hidden_size
-            y = torch.ops.mkldnn._linear_pointwise(hidden, self._first[0], self._first[1], "none", [], "")
-            first = (hidden.unsqueeze(1) + F.silu(y.view(-1, K, d))).unbind(1)
+        if self._first is not None:
+            w, bias = self._first
+            y = None
+            if not isinstance(w, torch.Tensor):  # a quantized kernel: any float dtype
+                y = w(hidden, bias)
+            elif hidden.dtype == w.dtype:
+                y = torch.ops.mkldnn._linear_pointwise(hidden, w, bias, "none", [], "")
+            if y is not None:
+                K, d = self.cfg.num_heads, self.cfg.hidden_size
+                first = (hidden.unsqueeze(1) + F.silu(y.view(-1, K, d))).unbind(1)
         outs = []
         for i, blocks in enumerate(self.blocks):
             x = hidden if first is None else first[i]

@@ -133,7 +133,8 @@ class MedusaProposer(ModelDrafter):
         self.heads.to(device)
         if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
             pack_linears(self.heads)
-            self.heads.pack_first_blocks()
+            # beside a quantized target the first blocks in 8 bits (group kernel), else oneDNN bfloat16
+            self.heads.pack_first_blocks(8 if getattr(target, "quantization", None) else None)
         self.target = target
         self.lm_head: ParallelLMHead = target.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
