@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
-        self.float64 = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
+        self.batch_invariant = False  # batch-invariant mode (``make_batch_invariant``): see ``forward``
 
     def _ops(self, q, mask):
         """The C++ ops where they apply to this forward (CPU, a head size of 8k, a bool mask), else None."""
@@ -80,15 +80,16 @@ class Attention(nn.Module):
             blk, off = ctx.write_targets()
             cache[blk, :, :, off] = kv.reshape(B * Q, 2, self.num_kv_heads, self.head_dim)
             causal = ctx.is_causal
-            if self.float64 and (ops := self._ops(q, ctx.mask)) is not None:
-                # the C++ op: each row's float64 sums in one fixed order whatever shares the call, no cast
-                # of the cache (``specserve/csrc/cpu_ops.cpp``); the same semantics as the branch below
+            if self.batch_invariant and (ops := self._ops(q, ctx.mask)) is not None:
+                # the C++ op: each row's sums in one fixed order whatever shares the call (float32 for
+                # bfloat16 where the AVX-512 BF16 kernel is built, else float64), no cast of the cache
+                # (``specserve/csrc/cpu_ops.cpp``); the semantics of the branch below
                 return ops.attention(q, cache, ctx.tables, ctx.kv_len, ctx.mask, causal, self.scale,
                                      cpu_ops.PARALLEL_WORK)
             src = ctx.kv.gather(cache, ctx.tables, ctx.kv_len)
         dtype = q.dtype
         q = q.transpose(1, 2)
-        if self.float64:
+        if self.batch_invariant:
             # Products of bfloat16 (or float32) values are exact in float64 and its sums err by ~1e-16:
             # the order in which a kernel adds them (which depends on the query count, the key count and,
             # in a tree, where a node's ancestors sit in the cache) no longer shows in the output once it

@@ -1,7 +1,8 @@
 """The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
-float64 attention over the paged KV cache, the fused residual add + RMSNorm, a whole decoder layer of a
-quantized model in one call, and (``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 builds only) the group
-kernel of 4- and 8-bit weights (``layers.quant.GroupKernel``).
+attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
+the AVX-512 BF16 kernel is built, float64 otherwise and for float32 rows), the fused residual add +
+RMSNorm, a whole decoder layer of a quantized model in one call, and (``specserve/csrc/quant_gemm.cpp``,
+AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights (``layers.quant.GroupKernel``).
 
 Built with ``torch.utils.cpp_extension.load`` on first use (~40 s) into the specserve cache
 (``cache_root() / "torch_ext"``), so later processes load it at once. ``-O3 -fopenmp`` (the ops'
@@ -27,7 +28,7 @@ from specserve.config import cache_root
 logger = logging.getLogger(__name__)
 
 ENABLED = True  # False: callers take their PyTorch path (``get`` still loads)
-PARALLEL_WORK = 1 << 17  # attention over more multiply-adds than this runs on the intra-op threads
+PARALLEL_WORK = 1 << 15  # attention over more multiply-adds than this runs on the intra-op threads
 
 _lock = threading.Lock()
 _state: dict = {}  # "ops": the loaded module or None once tried

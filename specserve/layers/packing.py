@@ -29,9 +29,9 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
     construction: each row's bits are the kernel's for any row count from 2 up to 32); a lone row gets a
     zero row beside it where a probe at load time (``lone_row_differs``, one per weight shape) finds that
     one row alone takes a kernel that sums in another order (on CPUs without AMX: the default model's
-    1536-wide down projection); attention runs in float64 (``Attention.forward``). Costs extra GEMM calls
-    for forwards over more than ``row_block`` rows (prefill, trees over 32 nodes, batches), and the
-    float64 attention ~5% of a decoding step."""
+    1536-wide down projection); attention sums each row in one fixed order (``Attention.forward``). Costs
+    extra GEMM calls for forwards over more than ``row_block`` rows (prefill, trees over 32 nodes,
+    batches)."""
     probed: dict[tuple, bool] = {}
     for m in module.modules():
         if isinstance(m, PackedGEMM) and m.qkernel is not None:
@@ -47,7 +47,7 @@ def make_batch_invariant(module: torch.nn.Module, row_block: int = ROW_BLOCK) ->
             m.row_block = row_block
             m.pad_lone_row = _lone_row_differs(m, probed)
         elif isinstance(m, Attention):
-            m.float64 = True
+            m.batch_invariant = True
 
 
 def _lone_row_differs(m: PackedGEMM, probed: dict) -> bool:

@@ -79,10 +79,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def one_call(self, ops, ctx, cache) -> tuple | None:
         """The arguments of the C++ ``decoder_layer`` (the whole layer in one call) where it computes this
-        layer: bfloat16, every linear through ``GroupKernel`` without bias, no q/k norms, the float64
+        layer: bfloat16, every linear through ``GroupKernel`` without bias, no q/k norms, the batch-invariant
         attention op over a cache; else None. The weights part is made once."""
         at = self.self_attn
-        if cache is None or not at.attn.float64 or at.q_norm is not None or at.attn._ops(cache, ctx.mask) is None:
+        if (cache is None or not at.attn.batch_invariant or at.q_norm is not None
+                or at.attn._ops(cache, ctx.mask) is None):
             return None
         if self._one_call is None:
             lins = (at.qkv_proj, at.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)

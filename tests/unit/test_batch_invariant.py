@@ -112,4 +112,4 @@ def test_float32_runner_is_left_as_it_is(tiny_llama):
     runner = ModelRunner(tiny_llama, dtype="float32", max_num_seqs=1)
     assert not runner.batch_invariant
     layer = runner.model.model.layers[0]
-    assert not layer.self_attn.attn.float64 and layer.mlp.down_proj.row_block == 0
+    assert not layer.self_attn.attn.batch_invariant and layer.mlp.down_proj.row_block == 0

@@ -1,6 +1,7 @@
-"""The C++ CPU ops (specserve/csrc/cpu_ops.cpp): float64 attention against SDPA in float64, each row's
-bits whatever shares the call, the fused residual add + RMSNorm against ``RMSNorm``, and the PyTorch
-fallback under SPECSERVE_NO_EXT=1. The extension is built on first use (once, into the specserve cache)."""
+"""The C++ CPU ops (specserve/csrc/cpu_ops.cpp): attention (bfloat16 rows through the float32 kernel where
+it is built, and through the float64 one) against SDPA in float64, each row's bits whatever shares the
+call, the fused residual add + RMSNorm against ``RMSNorm``, and the PyTorch fallback under
+SPECSERVE_NO_EXT=1. The extension is built on first use (once, into the specserve cache)."""
 
 import os
 import subprocess
@@ -42,6 +43,16 @@ def _paged(cache, slot, B, bs=16):
     return pool, ids.view(B, nb)
 
 
+@pytest.fixture(params=["float32", "float64"])
+def kernel(request):
+    """The attention kernel bfloat16 rows take (float32 rows always take the float64 one)."""
+    if ops is None:
+        pytest.skip("the C++ extension did not build here")
+    ops.set_float64_attention(request.param == "float64")
+    yield request.param
+    ops.set_float64_attention(False)
+
+
 def _attn(q, cache, slot, L, mask=None, causal=False, parallel_work=cpu_ops.PARALLEL_WORK):
     pool, tables = _paged(cache, slot, q.shape[0])
     return ops.attention(q, pool, tables, L, mask, causal, SCALE, parallel_work)
@@ -49,7 +60,7 @@ def _attn(q, cache, slot, L, mask=None, causal=False, parallel_work=cpu_ops.PARA
 
 @needs_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_matches_float64_sdpa(dtype):
+def test_attention_matches_float64_sdpa(dtype, kernel):
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(4, 2, HKV, 1024, D, generator=g).to(dtype)
     same = total = 0
@@ -67,8 +78,32 @@ def test_attention_matches_float64_sdpa(dtype):
     assert same / total > 0.999
 
 
+@pytest.mark.parametrize("d", [32, 48, 128])
+def test_attention_other_head_sizes_and_a_hidden_row(d, kernel):
+    """Head sizes beside 64 (128: the float32 kernel's other instance; 32, 48: the float64 kernel) against
+    float64 SDPA, and a row that sees no key gives zeros."""
+    g = torch.Generator().manual_seed(d)
+    B, Q, L, hkv, heads = 2, 6, 300, 2, 8
+    cache = torch.randn(B, 2, hkv, 304, d, generator=g).to(torch.bfloat16)
+    pool = cache.view(B, 2, hkv, 19, 16, d).permute(0, 3, 1, 2, 4, 5).reshape(B * 19, 2, hkv, 16, d)
+    q = torch.randn(B, Q, heads, d, generator=g).to(torch.bfloat16)
+    mask = torch.rand(B, 1, Q, L, generator=g) < 0.5
+    mask[..., 0] = True
+    mask[1, 0, 3] = False
+    got = ops.attention(q, pool.contiguous(), torch.arange(B * 19).view(B, 19), L, mask, False, d**-0.5, 0)
+    k, v = cache[:, :, :, :L].double().unbind(1)
+    am = torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, float("-inf"))
+    want = F.scaled_dot_product_attention(q.transpose(1, 2).double(), k, v, attn_mask=am, scale=d**-0.5,
+                                          enable_gqa=True).transpose(1, 2).to(torch.bfloat16).reshape(B, Q, -1)
+    assert torch.equal(got[1, 3], torch.zeros_like(got[1, 3]))
+    seen = torch.ones(B, Q, dtype=torch.bool)
+    seen[1, 3] = False
+    assert (got[seen].float() - want[seen].float()).abs().max().item() <= 1e-2
+    assert (got[seen] == want[seen]).float().mean().item() > 0.999
+
+
 @needs_ext
-def test_attention_row_has_the_same_bits_whatever_shares_the_call():
+def test_attention_row_has_the_same_bits_whatever_shares_the_call(kernel):
     g = torch.Generator().manual_seed(1)
     P, K = 50, 16
     cache = torch.zeros(4, 2, HKV, 256, D, dtype=torch.bfloat16)
