@@ -377,15 +377,16 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
         a1[c] = acc[r2 * NV + c];
       }
       double t0 = total[r], t1 = total[r2];
-      for (int64_t j = 0; j < jn; ++j) {
+      for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
         const float w0 = p0[j], w1 = p1[j];
-        if (w0 == 0.0f && w1 == 0.0f) continue;
-        t0 += w0;
-        t1 += w1;
         const v16f* vv = &vb[j * NV];
-        for (int c = 0; c < NV; ++c) {
-          a0[c] += w0 * vv[c];
-          a1[c] += w1 * vv[c];
+        if (w0 != 0.0f) {
+          t0 += w0;
+          for (int c = 0; c < NV; ++c) a0[c] += w0 * vv[c];
+        }
+        if (w1 != 0.0f) {
+          t1 += w1;
+          for (int c = 0; c < NV; ++c) a1[c] += w1 * vv[c];
         }
       }
       for (int c = 0; c < NV; ++c) {
@@ -745,9 +746,154 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
   return {hn2[0], down.view({B, Q, d})};
 }
 
+namespace {
+
+typedef float v16s __attribute__((vector_size(64)));
+typedef int32_t v16n __attribute__((vector_size(64)));
+
+// exp(x) for 16 values x <= 0 (relative error ~2e-7): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial of e^r times 2^n; x < -87 gives 0
+inline v16s exp16(v16s x) {
+  const v16s n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), v16n), v16s);
+  const v16s r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  v16s p = v16s{} + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16n e = (__builtin_convertvector(n, v16n) + 127) << 23;
+  v16s scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x < -87.0f ? v16s{} : p * scale;
+}
+
+// one row: logits l = (base + bias) / t over V -> the k largest (ties: the lower index first) as softmax
+// probabilities, and their indices. buf: room for V rounded up to 16 floats.
+template <typename B>
+void softmax_topk_row(const float* base, const B* bias, float t, int64_t V, int64_t k, float* buf, float* q_out,
+                      int64_t* i_out) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t V16 = V / 16 * 16, Vp = (V + 15) / 16 * 16;
+  for (int64_t v = V16; v < Vp; ++v) {  // the tail, padded with -inf (weight 0, never chosen)
+    float l = ninf;
+    if (v < V) {
+      l = base[v] + (bias ? static_cast<float>(bias[v]) : 0.0f);
+      if (t != 1.0f) l = l / t;
+    }
+    buf[v] = l;
+  }
+  v16s mx = v16s{} + ninf;
+  for (int64_t v = V16; v < Vp; v += 16) {
+    v16s l;
+    std::memcpy(&l, buf + v, sizeof(l));
+    mx = l > mx ? l : mx;
+  }
+  for (int64_t v = 0; v < V16; v += 16) {
+    v16s l;
+    std::memcpy(&l, base + v, sizeof(l));
+    if (bias) {
+      v16s b;
+      for (int j = 0; j < 16; ++j) b[j] = static_cast<float>(bias[v + j]);
+      l = l + b;
+    }
+    if (t != 1.0f) l = l / t;
+    std::memcpy(buf + v, &l, sizeof(l));
+    mx = l > mx ? l : mx;
+  }
+  float m = mx[0];
+  for (int j = 1; j < 16; ++j) m = std::max(m, mx[j]);
+  std::vector<float> topv(k, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> topi(k, -1);
+  float thr = -std::numeric_limits<float>::infinity();  // the k-th best so far
+  v16s sum = v16s{};
+  for (int64_t v = 0; v < Vp; v += 16) {
+    v16s l;
+    std::memcpy(&l, buf + v, sizeof(l));
+    sum += exp16(l - m);
+    const v16n over = l > thr;
+    bool any = false;
+    for (int j = 0; j < 16; ++j) any |= over[j] != 0;
+    if (!any) continue;
+    for (int j = 0; j < 16; ++j) {
+      if (!(l[j] > thr)) continue;
+      int64_t pos = k - 1;  // insert after every entry >= l[j]
+      while (pos > 0 && topv[pos - 1] < l[j]) {
+        topv[pos] = topv[pos - 1];
+        topi[pos] = topi[pos - 1];
+        --pos;
+      }
+      topv[pos] = l[j];
+      topi[pos] = v + j;
+      thr = topv[k - 1];
+    }
+  }
+  double total = 0.0;
+  for (int j = 0; j < 16; ++j) total += sum[j];
+  for (int64_t j = 0; j < k; ++j) {
+    q_out[j] = static_cast<float>(std::exp(static_cast<double>(topv[j]) - m) / total);
+    i_out[j] = topi[j];
+  }
+}
+
+}  // namespace
+
+// The k most probable entries of softmax((base[b] + bias[b, w]) / t[b]) for every row (b, w): base [B, V]
+// float32 (rows may be strided), bias None or [B, W, V] float32 / bfloat16, t None or [B] float32
+// -> (probabilities [B, W, k] float32, indices [B, W, k] int64), best first, ties to the
+// lower index. A drafter's candidate scores (drafting.draft_trees), not an exact softmax.
+std::vector<at::Tensor> softmax_topk(at::Tensor base, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> t,
+                                     int64_t k) {
+  TORCH_CHECK(base.dim() == 2 && base.scalar_type() == at::kFloat, "softmax_topk: base must be [B, V] float32");
+  if (base.stride(1) != 1) base = base.contiguous();
+  const int64_t B = base.size(0), V = base.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "softmax_topk: 1 <= k <= V");
+  at::Tensor bs;
+  int64_t W = 1;
+  if (bias.has_value() && bias->defined()) {
+    bs = bias->contiguous();
+    TORCH_CHECK(bs.dim() == 3 && bs.size(0) == B && bs.size(2) == V, "softmax_topk: bias must be [B, W, V]");
+    TORCH_CHECK(bs.scalar_type() == at::kFloat || bs.scalar_type() == at::kBFloat16, "softmax_topk: bias dtype");
+    W = bs.size(1);
+  }
+  std::vector<float> temps(B, 1.0f);
+  if (t.has_value() && t->defined()) {
+    at::Tensor tt = t->to(at::kFloat).contiguous();
+    TORCH_CHECK(tt.numel() == B, "softmax_topk: t must have B values");
+    std::memcpy(temps.data(), tt.data_ptr<float>(), B * sizeof(float));
+  }
+  auto q = at::empty({B, W, k}, base.options());
+  auto idx = at::empty({B, W, k}, base.options().dtype(at::kLong));
+  const float* pb = base.data_ptr<float>();
+  const int64_t bstride = base.stride(0);
+  float* pq = q.data_ptr<float>();
+  int64_t* pi = idx.data_ptr<int64_t>();
+  auto run = [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf((V + 15) / 16 * 16);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / W;
+      if (!bs.defined())
+        softmax_topk_row<float>(pb + b * bstride, nullptr, temps[b], V, k, buf.data(), pq + r * k, pi + r * k);
+      else if (bs.scalar_type() == at::kFloat)
+        softmax_topk_row(pb + b * bstride, bs.data_ptr<float>() + r * V, temps[b], V, k, buf.data(), pq + r * k,
+                         pi + r * k);
+      else
+        softmax_topk_row(pb + b * bstride, bs.data_ptr<at::BFloat16>() + r * V, temps[b], V, k, buf.data(),
+                         pq + r * k, pi + r * k);
+    }
+  };
+  if (B * W > 1 && at::get_num_threads() > 1)
+    at::parallel_for(0, B * W, 1, run);
+  else
+    run(0, B * W);
+  return {q, idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
+  m.def("softmax_topk", &softmax_topk, "the k most probable entries of softmax((base + bias) / t), per row");
   m.def("attention", &attention, "batch-invariant attention over a paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");

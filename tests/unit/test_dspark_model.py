@@ -17,6 +17,7 @@ from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import TPGroup
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.dspark.config import DSparkConfig, d2t_from_t2d, expected_state_shapes
+from specserve.layers import cpu_ops
 from specserve.spec_decode.dspark.drafting import draft_block, draft_blocks, draft_trees
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.heads import ConfidenceHead, MarkovHead
@@ -435,8 +436,18 @@ def test_draft_block_greedy_and_probabilistic(head_type):
     assert not torch.allclose(flat[1:], probs[1:])
 
 
+@pytest.fixture(params=["ext", "torch"])
+def topk_path(request, monkeypatch):
+    """Draft trees with their per-depth softmax + top-k in the C++ op (where it builds) or in PyTorch."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    elif cpu_ops.get() is None:
+        pytest.skip("the C++ extension did not build here")
+    return request.param
+
+
 @pytest.mark.parametrize("head_type, pruned", [("vanilla", False), ("gated", True), ("rnn", False), ("rnn", True)])
-def test_draft_trees_branches_follow_their_own_path(head_type, pruned):
+def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path):
     """Every candidate node's children are the top-k of ``U_d + B_d(its own path)`` (for the rnn head,
     the state unrolled along that path), scored by the calibrated confidence (greedy rows) or the
     draft probability at the row's temperature (sampled rows), times the parent's score; each depth

@@ -81,16 +81,21 @@ def test_attention_matches_float64_sdpa(dtype, kernel):
 @pytest.mark.parametrize("d", [32, 48, 128])
 def test_attention_other_head_sizes_and_a_hidden_row(d, kernel):
     """Head sizes beside 64 (128: the float32 kernel's other instance; 32, 48: the float64 kernel) against
-    float64 SDPA, and a row that sees no key gives zeros."""
+    float64 SDPA; a row that sees no key gives zeros, and a hidden key's values are never read."""
     g = torch.Generator().manual_seed(d)
-    B, Q, L, hkv, heads = 2, 6, 300, 2, 8
+    B, Q, L, hkv, heads = 2, 6, 300, 2, 6  # 3 query heads a kv head: rows of two queries share a task's pairs
     cache = torch.randn(B, 2, hkv, 304, d, generator=g).to(torch.bfloat16)
     pool = cache.view(B, 2, hkv, 19, 16, d).permute(0, 3, 1, 2, 4, 5).reshape(B * 19, 2, hkv, 16, d)
     q = torch.randn(B, Q, heads, d, generator=g).to(torch.bfloat16)
     mask = torch.rand(B, 1, Q, L, generator=g) < 0.5
     mask[..., 0] = True
     mask[1, 0, 3] = False
-    got = ops.attention(q, pool.contiguous(), torch.arange(B * 19).view(B, 19), L, mask, False, d**-0.5, 0)
+    mask[0, 0, 0, 7], mask[0, 0, 1, 7] = False, True  # query 0 of sequence 0 does not see key 7, query 1 does
+    pool, tables = pool.contiguous(), torch.arange(B * 19).view(B, 19)
+    got = ops.attention(q, pool, tables, L, mask, False, d**-0.5, 0)
+    poisoned = pool.clone()
+    poisoned[0, :, :, 7] = float("nan")  # sequence 0's block 0, offset 7: a hidden key is never read
+    assert torch.equal(ops.attention(q, poisoned, tables, L, mask, False, d**-0.5, 0)[0, 0], got[0, 0])
     k, v = cache[:, :, :, :L].double().unbind(1)
     am = torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, float("-inf"))
     want = F.scaled_dot_product_attention(q.transpose(1, 2).double(), k, v, attn_mask=am, scale=d**-0.5,
@@ -142,6 +147,29 @@ def test_attention_row_has_the_same_bits_whatever_shares_the_call(kernel):
         tree_mask[0, 0, 2 * i + 1, P + 2 * i + 1] = True
     out = _attn(tree_q, tree_cache, 0, P + 2 * K, tree_mask)
     assert torch.equal(out[:, 0::2], singles)
+
+
+@needs_ext
+@pytest.mark.parametrize("V, W, bias_dtype", [(1000, 4, torch.bfloat16), (16384, 1, torch.float32), (50, 3, None)])
+def test_softmax_topk_is_softmax_then_topk(V, W, bias_dtype):
+    """The drafting op: the k most probable entries of softmax((base + bias) / t) per row, best first,
+    as PyTorch computes them (rows of base strided, one temperature per batch row)."""
+    g = torch.Generator().manual_seed(V)
+    B, k = 3, 5
+    base = (torch.randn(B, 2, V, generator=g) * 4)[:, 1]
+    bias = None if bias_dtype is None else (torch.randn(B, W, V, generator=g) * 3).to(bias_dtype)
+    t = torch.tensor([1.0, 0.7, 1.6])
+    for temps in (None, t):
+        q, i = ops.softmax_topk(base, bias, temps, k)
+        logits = base.unsqueeze(1) if bias is None else base.unsqueeze(1) + bias.float()
+        want_q, want_i = torch.softmax(logits if temps is None else logits / temps.view(B, 1, 1), -1).topk(k, -1)
+        assert q.shape == i.shape == (B, 1 if bias is None else W, k)
+        assert torch.equal(i, want_i)
+        torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-7)
+    # ties go to the lower index
+    flat = torch.zeros(1, 64)
+    flat[0, [9, 3, 40]] = 1.0
+    assert ops.softmax_topk(flat, None, None, 2)[1].tolist() == [[[3, 9]]]
 
 
 @needs_ext

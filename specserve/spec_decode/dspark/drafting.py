@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from specserve.layers import cpu_ops
 from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.spec_decode.dspark.config import d2t_from_t2d
 from specserve.spec_decode.dspark.heads import ConfidenceHead, MarkovHead
@@ -185,12 +186,12 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         W, V = prev.shape[1], base.shape[-1]
         kk = min(topk, V)
         h = hidden[:, k : k + 1].expand(B, W, hidden.shape[-1]).reshape(B * W, -1)
-        logits = base[:, k : k + 1].expand(B, W, V)
-        emb = None
+        bias, emb = None, None
         if markov is not None:
             bias, state, emb = markov.step(prev.reshape(-1), h, state)
-            logits = torch.add(logits, bias.view(B, W, V))  # float32 (bias promoted exactly)
-        top_q, top_i = torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(kk, dim=-1)
+            bias = bias.view(B, W, V)
+        top_q, top_i = softmax_topk(base[:, k], bias, scale, kk)
+        top_q, top_i = top_q.expand(B, W, kk), top_i.expand(B, W, kk)  # no bias: every node's children alike
         factor = top_q  # [B, W, kk]
         if confidence_head is not None and any(is_greedy):
             # the calibrated confidence: sigmoid(logit / T_k) (sequential temperature scaling)
@@ -218,6 +219,21 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
                          torch.zeros(B, 0, device=device))
     return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.tensor(depth, dtype=torch.long, device=device),
                      torch.cat(scores, 1))
+
+
+def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most probable tokens of ``softmax((base + bias) / scale)``, best first: base [B, V]
+    float32, bias None or [B, W, V] (promoted to float32 exactly), scale None or [B, 1, 1] -> (probabilities,
+    ids) [B, W or 1, k]. One pass per row in the C++ op on CPU (``cpu_ops``; ties go to the lower id, the
+    probabilities to float32 rounding), else PyTorch's softmax and topk. They only rank candidates:
+    verification is exact either way."""
+    ops = cpu_ops.active() if base.device.type == "cpu" else None
+    if ops is not None and hasattr(ops, "softmax_topk"):
+        q, i = ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k)
+        return q, i
+    logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
+    return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
