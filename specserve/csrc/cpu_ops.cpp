@@ -108,6 +108,32 @@ constexpr int64_t KEY_BLOCK = 64;   // keys converted to float64 at a time (stay
 constexpr int64_t ROW_CHUNK = 32;   // query rows of one kv head per task
 constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
 
+// a row's scores s[0, n) (n a multiple of 8) -> its softmax weights in place: exp(s - max) (float64 exp8,
+// rounded to T) for a score, ``hidden`` for a -inf score (every entry when all are -inf)
+template <typename T>
+inline void row_weights(T* s, int64_t n, double hidden) {
+  typedef T v8t __attribute__((vector_size(8 * sizeof(T))));
+  constexpr T ninf = -std::numeric_limits<T>::infinity();
+  v8t mv = v8t{} + ninf;
+  for (int64_t j = 0; j < n; j += 8) {
+    v8t v;
+    std::memcpy(&v, s + j, sizeof(v));
+    mv = v > mv ? v : mv;
+  }
+  T m = ninf;
+  for (int k = 0; k < 8; ++k) m = std::max(m, mv[k]);
+  const double mx = m;
+  for (int64_t j = 0; j < n; j += 8) {
+    v8t v;
+    std::memcpy(&v, s + j, sizeof(v));
+    const v8d x = __builtin_convertvector(v, v8d);
+    v8d p = mx == NEG_INF ? v8d{} + hidden : exp8(x - mx);
+    p = x == NEG_INF ? v8d{} + hidden : p;
+    v = __builtin_convertvector(p, v8t);
+    std::memcpy(s + j, &v, sizeof(v));
+  }
+}
+
 struct AttnArgs {
   int64_t B, Q, H, Hkv, G, D, L, BS, bs_shift;  // BS = 1 << bs_shift: positions per cache block
   const int64_t* tables;              // [B, NB]: each row's block table
@@ -190,21 +216,7 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
   for (int64_t r = 0; r < nr; ++r) {
     double* sr = &s[r * sstride];
     for (int64_t j = jend; j < jpad; ++j) sr[j] = NEG_INF;
-    v8d mxv = v8d{} + NEG_INF;
-    for (int64_t j = 0; j < jpad; j += 8) {
-      v8d x;
-      std::memcpy(&x, sr + j, sizeof(x));
-      mxv = x > mxv ? x : mxv;
-    }
-    double mx = NEG_INF;
-    for (int k = 0; k < 8; ++k) mx = std::max(mx, mxv[k]);
-    for (int64_t j = 0; j < jpad; j += 8) {
-      v8d x;
-      std::memcpy(&x, sr + j, sizeof(x));
-      v8d p = mx == NEG_INF ? v8d{} - 1.0 : exp8(x - mx);
-      p = x == NEG_INF ? v8d{} - 1.0 : p;
-      std::memcpy(sr + j, &p, sizeof(p));
-    }
+    row_weights(sr, jpad, -1.0);
     for (int64_t c = 0; c < nc; ++c) acc[r * nc + c] = v8d{0, 0, 0, 0, 0, 0, 0, 0};
   }
   // weighted values (keys in order)
@@ -340,23 +352,7 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
   for (int64_t r = 0; r < nr; ++r) {
     float* sr = &s[r * sstride];
     for (int64_t j = jend; j < sstride; ++j) sr[j] = ninf;
-    v16f mxv = v16f{} + ninf;
-    for (int64_t j = 0; j < sstride; j += 16) {
-      v16f x;
-      std::memcpy(&x, sr + j, sizeof(x));
-      mxv = x > mxv ? x : mxv;
-    }
-    float mx = ninf;
-    for (int k = 0; k < 16; ++k) mx = std::max(mx, mxv[k]);
-    for (int64_t j = 0; j < sstride; j += 8) {
-      v8f xf;
-      std::memcpy(&xf, sr + j, sizeof(xf));
-      const v8d x = __builtin_convertvector(xf, v8d);
-      v8d p = mx == ninf ? v8d{} : exp8(x - static_cast<double>(mx));
-      p = x == NEG_INF ? v8d{} : p;
-      const v8f pf = __builtin_convertvector(p, v8f);
-      std::memcpy(sr + j, &pf, sizeof(pf));
-    }
+    row_weights(sr, sstride, 0.0);
     for (int c = 0; c < NV; ++c) acc[r * NV + c] = v16f{};
   }
   // weighted values, two rows at a time (a row's sums are its own: pairing changes no order)
@@ -756,13 +752,8 @@ typedef int32_t v16n __attribute__((vector_size(64)));
 inline v16s exp16(v16s x) {
   const v16s n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), v16n), v16s);
   const v16s r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  v16s p = v16s{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  v16s p = v16s{} + 1.0f / 720.0f;  // Horner, 1/6! down to 1/0!
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = p * r + c;
   const v16n e = (__builtin_convertvector(n, v16n) + 127) << 23;
   v16s scale;
   std::memcpy(&scale, &e, sizeof(scale));

@@ -228,8 +228,9 @@ def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Ten
     ids) [B, W or 1, k]. One pass per row in the C++ op on CPU (``cpu_ops``; ties go to the lower id, the
     probabilities to float32 rounding), else PyTorch's softmax and topk. They only rank candidates:
     verification is exact either way."""
-    ops = cpu_ops.active() if base.device.type == "cpu" else None
-    if ops is not None and hasattr(ops, "softmax_topk"):
+    ops = cpu_ops.active() if base.device.type == "cpu" and base.dtype == torch.float32 else None
+    if (ops is not None and hasattr(ops, "softmax_topk")
+            and (bias is None or bias.dtype in (torch.float32, torch.bfloat16))):
         q, i = ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k)
         return q, i
     logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
