@@ -99,4 +99,4 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, vals, attn_mask=ctx.attn_mask(q.dtype), is_causal=causal, scale=self.scale, enable_gqa=self.gqa
         )
-        return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).view(B, Q, -1)
+        return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).reshape(B, Q, -1)
