@@ -189,32 +189,43 @@ FEATURE_DTYPES = ("float32", "bfloat16")
 
 
 def feature_key(runner) -> dict:
-    """``{"quantization": ...}`` for features from a quantized target, ``{}`` for a dense one: added to
-    the keys of everything computed from the features (dense runs keep the keys they always had)."""
-    return {"quantization": runner.quantization} if runner.quantization else {}
+    """``{"quantization": ...}`` for features from a quantized target, ``{"device": "cuda"}`` for a dense one
+    on a GPU (other kernels, other last bits), ``{}`` for a dense one on the CPU: added to the keys of
+    everything computed from the features (dense CPU runs keep the keys they always had)."""
+    if runner.quantization:
+        return {"quantization": runner.quantization}
+    return {} if str(runner.device) == "cpu" else {"device": "cuda"}
+
+
+def feature_record(key: dict) -> dict:
+    """A training record's fields for a ``feature_key``: ``feature_quantization`` / ``feature_device``."""
+    return {f"feature_{k}": v for k, v in key.items()}
 
 
 def features_phrase(meta: dict) -> str:
     """How a README names the forward the features came from: "a bfloat16 forward" (+ " of the target's
     gguf weights" when the target was quantized)."""
     q = meta.get("feature_quantization")
-    return f"a {meta.get('feature_dtype', 'float32')} forward" + (f" of the target's {q} weights" if q else "")
+    gpu = " on a GPU (the weights dequantized)" if meta.get("feature_device") == "cuda" else ""
+    return (f"a {meta.get('feature_dtype', 'float32')} forward{gpu}"
+            + (f" of the target's {q} weights" if q else ""))
 
 
-def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32"):
+def feature_runner(llm, gen_dtype_arg: str, dtype: str = "float32", device: str = "cpu"):
     """(a ``ModelRunner`` of the target in ``dtype`` (float32 | bfloat16), whether it is ``llm``'s own).
     ``llm``'s own runner when it runs in that dtype, quantized as it generated (e.g. a GGUF's blocks with
-    ``gen_quantization`` gguf: the hidden states the served target gives the drafter), else a dense one.
+    ``gen_quantization`` gguf: the hidden states the served target gives the drafter), else a dense one
+    (on ``device``: a GPU runs the dense target only, a GGUF's weights dequantized).
     When it is not ``llm``'s, ``llm`` is shut down here; when it is, the caller shuts ``llm`` down after
     use. ``feature_key(runner)`` is what the features' caches and records add for a quantized one."""
     runner = llm.engine.runner
     want = DTYPES[dtype]
-    kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want)  # "auto": None
+    kept = runner.dtype == want and DTYPES.get(gen_dtype_arg) in (None, want) and device == "cpu"  # "auto": None
     if kept:
         return runner, True
     model_dir = llm.engine.model_dir
     llm.shutdown()
-    return ModelRunner(model_dir, dtype=dtype, max_num_seqs=1, quantization=None), False  # dense features
+    return ModelRunner(model_dir, dtype=dtype, device=device, max_num_seqs=1, quantization=None), False
 
 
 def select_draft_vocab(samples: list[dict], vocab_size: int, size: int, keep: torch.Tensor | None = None

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 from specserve.train.common import (TrainState, adamw_cosine, by_source, decode_section, evaluated_by,
-                                    extra_phrase, extra_record, feature_key, feature_runner, features_phrase,
+                                    extra_phrase, extra_record, feature_key, feature_record, feature_runner,
+                                    features_phrase,
                                     fingerprint, keep_num_threads, progress_bar, prompt_sources, replay_by_source,
                                     resumed_phrase, round_to_bf16_, select_draft_vocab, start_run, target_forwards,
                                     target_lm_head)
@@ -515,7 +516,7 @@ def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int
         "seed": args.seed,
         "init_from": args.init_from,
         "feature_dtype": args.feature_dtype,
-        **({"feature_quantization": data.feature_key["quantization"]} if data.feature_key else {}),
+        **feature_record(data.feature_key),
         "epochs": args.epochs,
         "lr": args.lr,
         "warmup": args.warmup,

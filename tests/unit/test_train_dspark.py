@@ -242,6 +242,28 @@ def test_train_dspark_end_to_end(tiny_llama, tiny_prompts, cache_dir, tmp_path):
         DSparkTrainArgs(**{**args.__dict__, "train_dtype": "float16"}).validate()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path is the test above)")
+def test_train_dspark_on_a_gpu_learns_as_on_the_cpu(tiny_llama, tiny_prompts, cache_dir, tmp_path):
+    """``device="cuda"``: the features from the dense target on the GPU, training and evaluation there; the
+    same start (same weights, features equal to a GPU's last bits) and about the same result as the CPU."""
+    from specserve.train.dspark import DSparkTrainArgs, train_dspark
+
+    res = {}
+    for dev in ("cpu", "cuda"):
+        args = DSparkTrainArgs(out=str(tmp_path / dev), model=str(tiny_llama), prompts_file=str(tiny_prompts),
+                               num_prompts=40, max_tokens=24, block_size=4, markov_rank=16, epochs=4, lr=3e-3,
+                               batch_size=8, seed=0, threads=1, cache_dir=str(cache_dir), progress=False, device=dev)
+        res[dev] = train_dspark(args, log=lambda m: None)
+    c, g = res["cpu"], res["cuda"]
+    assert g["heldout"]["loss"] < g["heldout_init"]["loss"]
+    assert g["heldout_init"]["loss"] == pytest.approx(c["heldout_init"]["loss"], rel=1e-3)
+    assert g["heldout"]["loss"] == pytest.approx(c["heldout"]["loss"], rel=0.05)
+    tr = json.loads((tmp_path / "cuda" / "config.json").read_text())["training"]
+    assert tr["feature_device"] == "cuda" and tr["device"] == torch.cuda.get_device_name("cuda")
+    assert "feature_device" not in json.loads((tmp_path / "cpu" / "config.json").read_text())["training"]
+    assert "on a GPU" in (tmp_path / "cuda" / "README.md").read_text()
+
+
 def test_cli_train_dflash_baseline(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
     from specserve.entrypoints.cli import main
     from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
@@ -536,6 +558,11 @@ def test_cli_train_dspark_bad_args(tiny_llama, tiny_prompts, tmp_path, capsys):
     assert "prompts file does not exist" in capsys.readouterr().err
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--extra-temperature", "0"]) == 2
     assert "extra temperatures must be > 0" in capsys.readouterr().err
+    assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--device", "tpu"]) == 2
+    assert "device must be cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # asked for, never a silent fall-back to the CPU
+        assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--device", "cuda"]) == 2
+        assert "torch sees no CUDA GPU" in capsys.readouterr().err
     assert main(["train", "dspark", "--out", str(tmp_path / "x"), "--model", str(tiny_llama), "--prompts",
                  str(tiny_prompts), "--target-layer-ids", "1", "--threads", "1", "--cache-dir",
                  str(tmp_path / "c"), "--max-tokens", "4", "--num-prompts", "2", "--no-progress"]) == 2

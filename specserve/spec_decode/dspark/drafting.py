@@ -102,9 +102,10 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
 
 def draft_target_ids(d2t: torch.Tensor | None, device=None) -> torch.Tensor | None:
     """The target id of every draft id [V_draft] from ``d2t`` offsets or a bool ``t2d`` mask (None: the
-    draft vocabulary is the target's)."""
+    draft vocabulary is the target's), on ``device`` (default: ``d2t``'s)."""
     if d2t is None:
         return None
+    device = d2t.device if device is None else device
     if d2t.dtype == torch.bool:
         d2t = d2t_from_t2d(d2t)
     return torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)

@@ -7,20 +7,32 @@ import torch
 
 from specserve.train.common import progress_bar, replay_by_source
 from specserve.train.data import DataError
-from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights
+from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights, to_device
 
 
 @torch.no_grad()
 def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
                      loss_decay: float = 4.0, loss_w=(0.1, 0.9, 1.0), anchors_per_item: int = 32,
-                     batch_size: int = 4, progress: bool = False, sources: tuple[list[int], list[str]] | None = None
-                     ) -> dict:
+                     batch_size: int = 4, progress: bool = False, sources: tuple[list[int], list[str]] | None = None,
+                     device: str = "cpu") -> dict:
     """Every anchor of every sequence (deterministic). Returns per-block arrays [nb, G] ``cstar``,
     ``conf_logit``, ``hit`` (float, NaN where the slot has no label), ``valid``; the mean ``loss``;
     the summaries of ``acceptance_summary``; ``lengths`` (blocks per sequence, in order) and
     ``decode``: greedy decoding with full verification replayed on the hits (``replay_by_source``;
-    ``sources``: (sequences per source, source names), for its ``by_source``)."""
+    ``sources``: (sequences per source, source names), for its ``by_source``). ``device``: where the
+    forwards run (``drafter`` ends on the device it came on; the results are on the CPU)."""
+    home = next(drafter.parameters()).device
+    try:
+        return _evaluate(drafter.to(device), samples, feats, lm_w, lm_b, embed_w, gamma, mask_token_id, loss_decay,
+                         loss_w, anchors_per_item, batch_size, progress, sources, torch.device(device))
+    finally:
+        drafter.to(home)
+
+
+def _evaluate(drafter, samples, feats, lm_w, lm_b, embed_w, gamma, mask_token_id, loss_decay, loss_w,
+              anchors_per_item, batch_size, progress, sources, dev) -> dict:
     drafter.eval()
+    lm_w, lm_b, embed_w = (None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
     items = []
     for i, s in enumerate(samples):
         lo, hi = anchor_range(s)
@@ -28,16 +40,16 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
             items.append((i, torch.arange(a, min(a + anchors_per_item, hi))))
     if not items:
         raise DataError("no held-out blocks: every held-out response is shorter than 2 tokens")
-    sw = slot_weights(gamma, loss_decay)
+    sw = slot_weights(gamma, loss_decay).to(dev)
     cols = {k: [] for k in ("cstar", "conf_logit", "hit")}
     valid_all = []
     loss_sum, w_sum = 0.0, 0.0
     bar = progress_bar(len(items), "evaluate", progress)
     for b in range(0, len(items), batch_size):
         chunk = items[b : b + batch_size]
-        batch = collate(chunk, samples, feats, gamma, mask_token_id)
+        batch = to_device(collate(chunk, samples, feats, gamma, mask_token_id), dev)
         out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
-        valid = out["valid"]
+        valid = out["valid"].cpu()
         W = float(sw[out["slot"]].sum())
         loss_sum += float(out["loss"]) * W
         w_sum += W
@@ -46,7 +58,7 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
             real[r, : len(a)] = True
         for k, name in (("cstar", "cstar"), ("conf_logit", "conf_logit"), ("hit", "hit")):
             full = torch.full(valid.shape, float("nan"))
-            full[valid] = out[k].float()
+            full[valid] = out[k].float().cpu()
             cols[name].append(full[real])
         valid_all.append(valid[real])
         if bar:

@@ -97,7 +97,7 @@ def cached_target_features(model, model_dir, samples, layer_ids, cache_dir, log=
 
 def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, samples: list[dict],
                chunk: int = 2048, dtype: torch.dtype = torch.float32, cache: tuple | None = None,
-               log=None) -> list[torch.Tensor]:
+               log=None, device: str = "cpu") -> list[torch.Tensor]:
     """log-sum-exp over the whole target vocabulary of the target's logits at the response positions of
     every sequence ([T] per sequence, 0 before ``prompt_len``; from its final hidden states): with it,
     a pruned draft vocabulary's target probabilities need only the draft rows of the lm_head. The
@@ -107,7 +107,8 @@ def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, sampl
     ``dtype``: of the lm_head product (bfloat16 for mixed-precision training, whose draft logits are
     bfloat16 products too); the log-sum-exp itself is float32. ``cache``: (cache_dir, key) where ``key``
     names the target and its features (the result is cached under it with the sequences and ``dtype``): on
-    a million positions the product takes minutes, every run that reads the same features again."""
+    a million positions the product takes minutes, every run that reads the same features again.
+    ``device``: where the product runs (the result is on the CPU either way)."""
     spans = []
     for (_, fin), smp in zip(feats, samples):
         lo = min(int(smp["prompt_len"]), fin.shape[0])
@@ -116,14 +117,14 @@ def target_lse(lm_w: torch.Tensor, lm_b: torch.Tensor | None, feats: list, sampl
     def compute():
         rows = torch.cat([fin[lo:hi].float() for (_, fin), (lo, hi) in zip(feats, spans)]) if feats else torch.zeros(0)
         flat = torch.zeros(rows.shape[0])
-        w, b = lm_w.to(dtype), (None if lm_b is None else lm_b.to(dtype))
+        w, b = lm_w.to(device, dtype), (None if lm_b is None else lm_b.to(device, dtype))
         with torch.no_grad():
             for a in range(0, rows.shape[0], chunk):
-                x = rows[a : a + chunk].to(dtype)
+                x = rows[a : a + chunk].to(device, dtype)
                 n = x.shape[0]
                 if n < chunk:
                     x = torch.cat([x, x.new_zeros(chunk - n, x.shape[1])])
-                flat[a : a + n] = torch.logsumexp(F.linear(x, w, b).float(), dim=-1)[:n]
+                flat[a : a + n] = torch.logsumexp(F.linear(x, w, b).float(), dim=-1)[:n].cpu()
         return flat
 
     if cache is None:

@@ -9,26 +9,35 @@ import torch
 
 from specserve.train.common import TrainState, adamw_cosine, progress_bar
 from specserve.train.data import DataError
-from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights
+from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights, to_device
 
 
 def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
                   anchors_per_seq: int = 16, epochs: int = 2, lr: float = 6e-4, batch_size: int = 8,
                   warmup: float = 0.04, weight_decay: float = 0.0, loss_decay: float = 4.0,
                   loss_w=(0.1, 0.9, 1.0), grad_clip: float = 1.0, seed: int = 0, progress: bool = True,
-                  log=None, train_dtype: str = "float32", state: TrainState | None = None) -> dict:
+                  log=None, train_dtype: str = "float32", state: TrainState | None = None,
+                  device: str = "cpu") -> dict:
     """Train ``drafter`` in place. Each epoch draws ``anchors_per_seq`` random anchors per sequence
     (without replacement) and takes ``batch_size`` sequences per step. ``train_dtype`` "bfloat16":
     the forward runs under bfloat16 autocast (the weights, gradients and optimiser stay float32).
     ``state``: where the loop saves itself when due and, if a saved state is there, continues from it
     (the weights, optimiser, schedule, random generator and running sums, so the result is the one of an
-    uninterrupted run); cleared at the end. Returns ``epoch_loss``, ``epoch_acceptance`` ([epoch][G] mean
-    c* per slot on the training blocks), ``step_loss``, ``steps``, ``blocks`` (per epoch),
-    ``resumed_at`` (the steps a run continued from) and ``train_s`` (seconds of training, in all runs)."""
-    loop = _Loop(drafter, samples, feats, (lm_w, lm_b, embed_w), gamma=gamma, mask_token_id=mask_token_id,
+    uninterrupted run); cleared at the end. ``device``: where the steps run (the batches are collated on the
+    CPU and moved there; ``drafter`` ends on the device it came on). Returns ``epoch_loss``,
+    ``epoch_acceptance`` ([epoch][G] mean c* per slot on the training blocks), ``step_loss``, ``steps``,
+    ``blocks`` (per epoch), ``resumed_at`` (the steps a run continued from) and ``train_s`` (seconds of
+    training, in all runs)."""
+    home = next(drafter.parameters()).device
+    dev = torch.device(device)
+    target = tuple(None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
+    loop = _Loop(drafter.to(dev), samples, feats, target, gamma=gamma, mask_token_id=mask_token_id,
                  anchors_per_seq=anchors_per_seq, batch_size=batch_size, loss_w=loss_w, grad_clip=grad_clip,
                  mixed=train_dtype == "bfloat16", progress=progress, log=log, state=state)
-    return loop.run(epochs, lr, warmup, weight_decay, slot_weights(gamma, loss_decay), seed)
+    try:
+        return loop.run(epochs, lr, warmup, weight_decay, slot_weights(gamma, loss_decay).to(dev), seed)
+    finally:
+        drafter.to(home)
 
 
 class _Loop:
@@ -111,9 +120,10 @@ class _Loop:
             lo, hi = anchor_range(self.samples[i])
             perm = torch.randperm(hi - lo, generator=self.gen)[: self.anchors_per_seq]
             items.append((i, (lo + perm).sort().values))
-        batch = collate(items, self.samples, self.feats, self.gamma, self.mask_token_id,
-                        torch.bfloat16 if self.mixed else torch.float32)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mixed):
+        dev = self.sw.device
+        batch = to_device(collate(items, self.samples, self.feats, self.gamma, self.mask_token_id,
+                                  torch.bfloat16 if self.mixed else torch.float32), dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.mixed):
             out = block_outputs(self.drafter, batch, *self.target, self.sw, self.loss_w)
         self.opt.zero_grad(set_to_none=True)
         out["loss"].backward()
@@ -121,8 +131,9 @@ class _Loop:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.opt.step()
         self.sched.step()
-        sums[1].index_add_(0, out["slot"], out["cstar"].double())
-        sums[2].index_add_(0, out["slot"], torch.ones_like(out["cstar"], dtype=torch.float64))
+        slot, cstar = out["slot"].cpu(), out["cstar"].double().cpu()
+        sums[1].index_add_(0, slot, cstar)
+        sums[2].index_add_(0, slot, torch.ones_like(cstar))
         sums[3] += sum(len(a) for _, a in items)
         lv = out["loss"].detach().item()
         self.done["step_loss"].append(lv)

@@ -58,6 +58,13 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int, feats_dtype=t
     return out
 
 
+def to_device(batch: dict, device) -> dict:
+    """A collated batch on ``device`` (built on the CPU, where the features are kept)."""
+    if str(device) == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def slot_states(drafter, batch: dict, embed_w: torch.Tensor) -> torch.Tensor:
     """The final-normed slot states [S, N, G, d] of a collated batch: the drafter's own training-shaped
     forward (``DFlashDrafter.forward_anchored_blocks``) over the blocks embedded with the target's frozen
@@ -80,7 +87,7 @@ def block_outputs(drafter, batch: dict, lm_w, lm_b, embed_w, slot_w: torch.Tenso
     S, N, G, d = hidden.shape
     valid = labels != IGNORE
     prev = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1).clamp(min=0)  # teacher forcing
-    slot = torch.arange(G).expand(S, N, G)[valid]
+    slot = torch.arange(G, device=labels.device).expand(S, N, G)[valid]
     hv, y, pv = hidden[valid], labels[valid], prev[valid]
     vocab_ids = draft_vocab_ids(drafter)
     logits, y_draft, emb = _draft_logits(drafter, hidden, valid, prev, (hv, y, pv), lm_w, lm_b, vocab_ids)
@@ -117,8 +124,8 @@ def _draft_logits(drafter, hidden, valid, prev, flat, lm_w, lm_b, vocab_ids):
         y_draft = y
     else:
         logits = F.linear(hv, drafter.lm_head.weight).float()
-        t2d = torch.full((lm_w.shape[0],), IGNORE, dtype=torch.long)
-        t2d[vocab_ids] = torch.arange(vocab_ids.numel())
+        t2d = torch.full((lm_w.shape[0],), IGNORE, dtype=torch.long, device=vocab_ids.device)
+        t2d[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
         y_draft = t2d[y]
     mk = drafter.markov_head
     emb = None

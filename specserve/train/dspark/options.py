@@ -3,8 +3,10 @@ its help and command-line form (``specserve.train.options``), and their checks."
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from specserve.device import resolve_device
 from specserve.spec_decode.dspark.config import MARKOV_HEAD_TYPES
 from specserve.train.common import FEATURE_DTYPES
 from specserve.train.dspark.features import DEFAULT_NUM_TARGET_LAYERS, parse_layer_ids
@@ -53,6 +55,9 @@ class DSparkTrainArgs(TrainOptions):
         "token and draft vocabulary (so none of --num-layers, --block-size, --markov-rank, --markov-head-type, "
         "--target-layer-ids, --num-target-layers, --mask-token-id; --draft-vocab-size N grows its pruned draft "
         "vocabulary to N: its tokens and the most frequent other ones of the new responses)", metavar="DIR")
+    device: str = option("cpu", "where the target's features, the training and the held-out evaluation run: cpu or "
+                         "cuda[:N] (a GPU runs the target dense, a GGUF's weights dequantized; the responses still "
+                         "come from the CPU engine or --distill-store)", metavar="DEVICE")
     add_layers: int = option(0, "with --init-from: grow the drafter by N decoder layers after its own, their output "
                              "projections zero so it starts as the loaded drafter, then train them all",
                              type=nonneg_int, metavar="N")
@@ -75,6 +80,10 @@ class DSparkTrainArgs(TrainOptions):
             parse_layer_ids(self.target_layer_ids)
         if self.init_from is not None and self.eval_only:
             raise ValueError("init_from trains a drafter further; eval_only trains nothing: pass one of them")
+        if self.device != "cpu":
+            if not re.fullmatch(r"cuda(:\d+)?", str(self.device)):
+                raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+            resolve_device(self.device)  # a clear error where torch sees no such GPU
         if self.add_layers < 0:
             raise ValueError(f"add_layers must be >= 0, got {self.add_layers}")
         if self.add_layers and self.init_from is None:

@@ -100,7 +100,8 @@ def _train_dspark(args: DSparkTrainArgs, command: str | None, log) -> dict:
         _draft_vocab(job, drafter, cfg)
     G = cfg.block_size
     loss_w = (args.ce_weight, args.tv_weight, args.conf_weight)
-    ekw = dict(gamma=G, mask_token_id=job.mask_id, loss_decay=args.loss_decay, loss_w=loss_w, progress=args.progress,
+    ekw = dict(gamma=G, mask_token_id=job.mask_id, device=args.device, loss_decay=args.loss_decay, loss_w=loss_w,
+               progress=args.progress,
                sources=(job.held_sizes, prompt_sources(args.prompts_file)))
     if args.eval_only:
         return _evaluate_saved(job, command, drafter, cfg, ekw)
@@ -142,14 +143,14 @@ def _prepare(args: DSparkTrainArgs, log) -> Job:
     job.timings["self_distill_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype)
+    runner, kept = feature_runner(llm, args.gen_dtype, args.feature_dtype, args.device)
     model, model_dir, job.feature_key = runner.model, run.model_dir, feature_key(runner)
     features = lambda s, model=model: cached_target_features(model, model_dir, s, layer_ids,  # noqa: E731
                                                              job.cache_dir, log, args.progress, job.feature_key)
     job.f_train = [] if args.eval_only else by_source(features, job.train_s, run.train_sizes)
     job.f_held = by_source(features, job.held_s, run.held_sizes)
-    job.lm_w, job.lm_b = (x.clone() if x is not None else None for x in target_lm_head(runner))
-    job.embed_w = target_embedding(runner)
+    job.lm_w, job.lm_b = (x.cpu().clone() if x is not None else None for x in target_lm_head(runner))
+    job.embed_w = target_embedding(runner).cpu()
     if kept:
         llm.shutdown()
     del llm, run, runner, model, features
@@ -223,10 +224,11 @@ def _draft_vocab(job: Job, drafter, cfg) -> None:
     job.vocab_cover = float(inside[resp].float().mean()) if resp.numel() else 1.0
     lse_dtype = getattr(torch, job.args.train_dtype)  # the held-out figures are float32 products either way
     cache = (job.cache_dir, {"model": job.model_fp, "feature_dtype": job.args.feature_dtype, **job.feature_key})
+    dev = job.args.device
     job.f_train = [(a, h, lse) for (a, h), lse in zip(job.f_train, target_lse(
-        job.lm_w, job.lm_b, job.f_train, job.train_s, dtype=lse_dtype, cache=cache, log=job.log))]
+        job.lm_w, job.lm_b, job.f_train, job.train_s, dtype=lse_dtype, cache=cache, log=job.log, device=dev))]
     job.f_held = [(a, h, lse) for (a, h), lse in zip(job.f_held, target_lse(
-        job.lm_w, job.lm_b, job.f_held, job.held_s, cache=cache, log=job.log))]
+        job.lm_w, job.lm_b, job.f_held, job.held_s, cache=cache, log=job.log, device=dev))]
     job.timings["draft_vocab_s"] = time.perf_counter() - t
     grown = "" if job.grow_from is None else f", grown from {job.grow_from.numel()}"
     job.log(f"draft vocabulary: {cfg.draft_vocab_size} tokens{grown}; they cover "
@@ -240,6 +242,7 @@ def _train(job: Job, drafter, cfg, loss_w) -> dict:
     hyper = dict(anchors_per_seq=args.anchors_per_seq, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                  warmup=args.warmup, weight_decay=args.weight_decay, loss_decay=args.loss_decay, loss_w=loss_w,
                  grad_clip=args.grad_clip, seed=job.train_seed, train_dtype=args.train_dtype)
+    # where it runs is no part of the state's key: a run stopped on a GPU may continue on the CPU
     state = None
     if args.save_every_min > 0:  # everything the trained weights depend on names the saved state
         key = fingerprint({"model": job.model_fp, "feature_dtype": args.feature_dtype, **job.feature_key,
@@ -251,7 +254,8 @@ def _train(job: Job, drafter, cfg, loss_w) -> dict:
                            resume=args.resume, log=job.log)
     with state.stop_on_signals() if state is not None else contextlib.nullcontext():
         tr = train_drafter(drafter, job.train_s, job.f_train, job.lm_w, job.lm_b, job.embed_w, gamma=cfg.block_size,
-                           mask_token_id=job.mask_id, progress=args.progress, log=job.log, state=state, **hyper)
+                           mask_token_id=job.mask_id, progress=args.progress, log=job.log, state=state,
+                           device=args.device, **hyper)
     job.timings["train_s"] = tr["train_s"]  # earlier runs' part too when it continued a saved state
     job.t_start -= tr["train_s_before"]
     return tr
