@@ -479,7 +479,7 @@ class TrainState:
         if not self.resume or self.every_s is None or not self.path.exists():
             return None
         try:
-            return torch.load(self.path, weights_only=True)
+            return torch.load(self.path, weights_only=True, map_location="cpu")  # a GPU run's too
         except Exception as e:  # noqa: BLE001 - unreadable: start over rather than fail
             if self.log:
                 self.log(f"ignoring the unreadable training state {self.path} ({type(e).__name__}: {e})")

@@ -42,10 +42,9 @@ from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 from specserve.train.common import (TrainState, adamw_cosine, by_source, decode_section, evaluated_by,
                                     extra_phrase, extra_record, feature_key, feature_record, feature_runner,
-                                    features_phrase,
-                                    fingerprint, keep_num_threads, progress_bar, prompt_sources, replay_by_source,
-                                    resumed_phrase, round_to_bf16_, select_draft_vocab, start_run, target_forwards,
-                                    target_lm_head)
+                                    features_phrase, fingerprint, keep_num_threads, progress_bar, prompt_sources,
+                                    replay_by_source, resumed_phrase, round_to_bf16_, select_draft_vocab, start_run,
+                                    target_forwards, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
