@@ -90,14 +90,15 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, sample
     ``-bf16draft``: the drafter in bfloat16 beside the float32 target (its q, float32 probabilities of
     bfloat16 logits, is what the rejection sampler reads); ``-int4draft``: its weights in 4 bits."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
-    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64)
+    cpu = {"device": "cpu"} if verify.endswith("-int4draft") else {}  # quantized drafters run on the CPU only
+    plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64, **cpu)
     mode = {"dspark_tree": "auto"} if verify.startswith("tree") else {"dspark_verify": verify.split("-")[0]}
     calibrated = verify.endswith("-calibrated")
     if verify.endswith("-bf16draft"):
         mode["draft_dtype"] = "bfloat16"
     if verify.endswith("-int4draft"):
         mode["draft_quantization"] = "int4"
-    spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64,
+    spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32", max_num_seqs=64, **cpu,
                speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "draft_sample_method": sample,
                                    "online_calibration": calibrated, **mode})
     if verify.endswith("-bf16draft"):
@@ -278,6 +279,7 @@ def test_draft_quantization_follows_the_target_unless_requested(tiny_llama, tmp_
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     kw = {"dtype": "float32"} if target is None else {"quantization": target}
+    kw["device"] = "cpu"  # quantized weights (target or drafter) run on the CPU only
     plain = LLM(model=str(tiny_llama), **kw).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(model=str(tiny_llama), **kw,
               speculative_config={"method": "dspark", **CHAIN, "model": str(drafter), "draft_quantization": requested})

@@ -185,7 +185,8 @@ def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantizati
     sampling (two-sample chi-square over 2,000 seeded samples each), with dense float32 weights and with
     int4 weights (the rejection sampler over a quantized target)."""
     kw = dict(model=str(small_vocab_model), max_num_seqs=64, quantization=quantization,
-              dtype="auto" if quantization else "float32")
+              dtype="auto" if quantization else "float32", **({"device": "cpu"} if quantization else {}))
+    # (weight-only quantization runs on the CPU only: pinned there on a machine with a GPU)
     plain = LLM(sampling_mode="rejection", **kw)
     spec = LLM(sampling_mode="rejection", **kw,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
