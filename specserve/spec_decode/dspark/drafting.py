@@ -230,10 +230,8 @@ def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Ten
     probabilities to float32 rounding), else PyTorch's softmax and topk. They only rank candidates:
     verification is exact either way."""
     ops = cpu_ops.active() if base.device.type == "cpu" and base.dtype == torch.float32 else None
-    if (ops is not None and hasattr(ops, "softmax_topk")
-            and (bias is None or bias.dtype in (torch.float32, torch.bfloat16))):
-        q, i = ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k)
-        return q, i
+    if ops is not None and (bias is None or bias.dtype in (torch.float32, torch.bfloat16)):
+        return tuple(ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k))
     logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
     return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
 

@@ -7,7 +7,7 @@ import torch
 
 from specserve.train.common import progress_bar, replay_by_source
 from specserve.train.data import DataError
-from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights, to_device
+from specserve.train.dspark.loss import anchor_range, block_outputs, collate, on_device, slot_weights, to_device
 
 
 @torch.no_grad()
@@ -21,50 +21,41 @@ def evaluate_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int
     ``decode``: greedy decoding with full verification replayed on the hits (``replay_by_source``;
     ``sources``: (sequences per source, source names), for its ``by_source``). ``device``: where the
     forwards run (``drafter`` ends on the device it came on; the results are on the CPU)."""
-    home = next(drafter.parameters()).device
-    try:
-        return _evaluate(drafter.to(device), samples, feats, lm_w, lm_b, embed_w, gamma, mask_token_id, loss_decay,
-                         loss_w, anchors_per_item, batch_size, progress, sources, torch.device(device))
-    finally:
-        drafter.to(home)
-
-
-def _evaluate(drafter, samples, feats, lm_w, lm_b, embed_w, gamma, mask_token_id, loss_decay, loss_w,
-              anchors_per_item, batch_size, progress, sources, dev) -> dict:
-    drafter.eval()
-    lm_w, lm_b, embed_w = (None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
-    items = []
-    for i, s in enumerate(samples):
-        lo, hi = anchor_range(s)
-        for a in range(lo, hi, anchors_per_item):
-            items.append((i, torch.arange(a, min(a + anchors_per_item, hi))))
-    if not items:
-        raise DataError("no held-out blocks: every held-out response is shorter than 2 tokens")
-    sw = slot_weights(gamma, loss_decay).to(dev)
-    cols = {k: [] for k in ("cstar", "conf_logit", "hit")}
-    valid_all = []
-    loss_sum, w_sum = 0.0, 0.0
-    bar = progress_bar(len(items), "evaluate", progress)
-    for b in range(0, len(items), batch_size):
-        chunk = items[b : b + batch_size]
-        batch = to_device(collate(chunk, samples, feats, gamma, mask_token_id), dev)
-        out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
-        valid = out["valid"].cpu()
-        W = float(sw[out["slot"]].sum())
-        loss_sum += float(out["loss"]) * W
-        w_sum += W
-        real = torch.zeros_like(valid[..., 0])  # [S, N] the non-padding blocks
-        for r, (_, a) in enumerate(chunk):
-            real[r, : len(a)] = True
-        for k, name in (("cstar", "cstar"), ("conf_logit", "conf_logit"), ("hit", "hit")):
-            full = torch.full(valid.shape, float("nan"))
-            full[valid] = out[k].float().cpu()
-            cols[name].append(full[real])
-        valid_all.append(valid[real])
+    with on_device(drafter, device) as dev:
+        drafter.eval()
+        lm_w, lm_b, embed_w = (None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
+        items = []
+        for i, s in enumerate(samples):
+            lo, hi = anchor_range(s)
+            for a in range(lo, hi, anchors_per_item):
+                items.append((i, torch.arange(a, min(a + anchors_per_item, hi))))
+        if not items:
+            raise DataError("no held-out blocks: every held-out response is shorter than 2 tokens")
+        sw = slot_weights(gamma, loss_decay).to(dev)
+        cols = {k: [] for k in ("cstar", "conf_logit", "hit")}
+        valid_all = []
+        loss_sum, w_sum = 0.0, 0.0
+        bar = progress_bar(len(items), "evaluate", progress)
+        for b in range(0, len(items), batch_size):
+            chunk = items[b : b + batch_size]
+            batch = to_device(collate(chunk, samples, feats, gamma, mask_token_id), dev)
+            out = block_outputs(drafter, batch, lm_w, lm_b, embed_w, sw, loss_w)
+            valid = out["valid"].cpu()
+            W = float(sw[out["slot"]].sum())
+            loss_sum += float(out["loss"]) * W
+            w_sum += W
+            real = torch.zeros_like(valid[..., 0])  # [S, N] the non-padding blocks
+            for r, (_, a) in enumerate(chunk):
+                real[r, : len(a)] = True
+            for k, name in (("cstar", "cstar"), ("conf_logit", "conf_logit"), ("hit", "hit")):
+                full = torch.full(valid.shape, float("nan"))
+                full[valid] = out[k].float().cpu()
+                cols[name].append(full[real])
+            valid_all.append(valid[real])
+            if bar:
+                bar.update(len(chunk))
         if bar:
-            bar.update(len(chunk))
-    if bar:
-        bar.close()
+            bar.close()
     res = {k: torch.cat(v) for k, v in cols.items()}
     res["valid"] = torch.cat(valid_all)
     res["loss"] = loss_sum / max(w_sum, 1e-9)

@@ -9,7 +9,7 @@ import torch
 
 from specserve.train.common import TrainState, adamw_cosine, progress_bar
 from specserve.train.data import DataError
-from specserve.train.dspark.loss import anchor_range, block_outputs, collate, slot_weights, to_device
+from specserve.train.dspark.loss import anchor_range, block_outputs, collate, on_device, slot_weights, to_device
 
 
 def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, mask_token_id: int,
@@ -28,16 +28,12 @@ def train_drafter(drafter, samples, feats, lm_w, lm_b, embed_w, *, gamma: int, m
     ``epoch_acceptance`` ([epoch][G] mean c* per slot on the training blocks), ``step_loss``, ``steps``,
     ``blocks`` (per epoch), ``resumed_at`` (the steps a run continued from) and ``train_s`` (seconds of
     training, in all runs)."""
-    home = next(drafter.parameters()).device
-    dev = torch.device(device)
-    target = tuple(None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
-    loop = _Loop(drafter.to(dev), samples, feats, target, gamma=gamma, mask_token_id=mask_token_id,
-                 anchors_per_seq=anchors_per_seq, batch_size=batch_size, loss_w=loss_w, grad_clip=grad_clip,
-                 mixed=train_dtype == "bfloat16", progress=progress, log=log, state=state)
-    try:
+    with on_device(drafter, device) as dev:
+        target = tuple(None if t is None else t.to(dev) for t in (lm_w, lm_b, embed_w))
+        loop = _Loop(drafter, samples, feats, target, gamma=gamma, mask_token_id=mask_token_id,
+                     anchors_per_seq=anchors_per_seq, batch_size=batch_size, loss_w=loss_w, grad_clip=grad_clip,
+                     mixed=train_dtype == "bfloat16", progress=progress, log=log, state=state)
         return loop.run(epochs, lr, warmup, weight_decay, slot_weights(gamma, loss_decay).to(dev), seed)
-    finally:
-        drafter.to(home)
 
 
 class _Loop:

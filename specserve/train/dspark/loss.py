@@ -4,6 +4,8 @@ against the target's distribution, BCE of the confidence head against c* = 1 - T
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +58,17 @@ def collate(items, samples, feats, gamma: int, mask_token_id: int, feats_dtype=t
     if with_lse:
         out["target_lse"] = lse
     return out
+
+
+@contextlib.contextmanager
+def on_device(module: torch.nn.Module, device):
+    """``module`` on ``device`` inside the block (yields it as a ``torch.device``), back where it came from after."""
+    home = next(module.parameters()).device
+    module.to(device)
+    try:
+        yield torch.device(device)
+    finally:
+        module.to(home)
 
 
 def to_device(batch: dict, device) -> dict:
