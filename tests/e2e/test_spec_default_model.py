@@ -41,6 +41,24 @@ CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 POOL = POOLED_BRANCHES  # 3 n-gram branches of 12 tokens, earlier answers too
 
+_PLAIN: dict[tuple[int, int], tuple[LLM, list]] = {}
+
+
+def plain_answers(llm, max_tokens: int) -> list[list[int]]:
+    """Plain decoding's greedy answers to CHATS from ``llm`` (a fixture's engine, shared by the cases
+    of a test: computed once per length, the engine kept alive beside them so that its id stays its own)."""
+    key = (id(llm), max_tokens)
+    if key not in _PLAIN:
+        outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        _PLAIN[key] = (llm, [list(o.outputs[0].token_ids) for o in outs])
+    return _PLAIN[key][1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_plain_answers():
+    yield
+    _PLAIN.clear()  # the engines kept for their ids go with the module
+
 
 @pytest.mark.parametrize("tree, extra", [(None, {}), ("auto", {}), (16, {}), (None, {"ngram_branch": 5}),
                                          ("auto", {"medusa_verify": "auto", "ngram_branch": 5}),
@@ -48,11 +66,11 @@ POOL = POOLED_BRANCHES  # 3 n-gram branches of 12 tokens, earlier answers too
 def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra):
     """Chat prompts of different lengths (the heads were trained on chat answers)."""
     params = SamplingParams(temperature=0, max_tokens=40)
-    plain = default_llm_fp32.chat(CHATS, params, use_tqdm=False)
+    plain = plain_answers(default_llm_fp32, params.max_tokens)
     llm = LLM(dtype="float32", speculative_config={"method": "medusa", "medusa_tree": tree, **extra})
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+        assert list(b.outputs[0].token_ids) == a, p
     m = llm.get_metrics()
     assert m["mean_acceptance_length"] > 1.05  # the shipped heads predict some of the model's tokens (random: ~1.0)
     llm.shutdown()
@@ -73,14 +91,14 @@ def test_shipped_medusa_greedy_identical_to_plain(default_llm_fp32, tree, extra)
 ])
 def test_shipped_dspark_greedy_identical_to_plain(default_llm_fp32, method, extra):
     params = SamplingParams(temperature=0, max_tokens=32)
-    plain = default_llm_fp32.chat(CHATS, params, use_tqdm=False)
+    plain = plain_answers(default_llm_fp32, params.max_tokens)
     llm = LLM(dtype="float32", speculative_config={"method": method, **extra})
     # the shipped drafters are stored in bfloat16: run so beside the float32 target where that is fast
     want = torch.float32 if extra.get("draft_dtype") == "float32" or not fast_bfloat16() else torch.bfloat16
     assert llm.engine.runner.helper(method).dtype == want
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+        assert list(b.outputs[0].token_ids) == a, p
     m = llm.get_metrics()
     if extra.get("dspark_verify") == "threshold":  # low-confidence drafts are cut before verification
         assert m["num_draft_tokens"] < 7 * m["num_verify_steps"]
@@ -108,11 +126,11 @@ def test_bfloat16_greedy_identical_to_plain(default_llm_bf16, spec):
     """In bfloat16 on CPU the forwards are batch-invariant (``make_batch_invariant``), so verifying a
     chain or a tree gives plain bfloat16 decoding's tokens, near ties included."""
     params = SamplingParams(temperature=0, max_tokens=40)
-    plain = default_llm_bf16.chat(CHATS, params, use_tqdm=False)
+    plain = plain_answers(default_llm_bf16, params.max_tokens)
     llm = LLM(dtype="bfloat16", quantization=None, speculative_config=spec)
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+        assert list(b.outputs[0].token_ids) == a, p
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     llm.shutdown()
 
@@ -137,11 +155,11 @@ def test_quantized_greedy_identical_to_plain(default_llm_quantized, spec):
     """On the quantized default model (the GGUF's own blocks), every drafter's greedy output is plain
     decoding's with the same weights, token for token, for a batch of chats of different lengths."""
     params = SamplingParams(temperature=0, max_tokens=40)
-    plain = default_llm_quantized.chat(CHATS, params, use_tqdm=False)
+    plain = plain_answers(default_llm_quantized, params.max_tokens)
     llm = LLM(speculative_config=spec)
     out = llm.chat(CHATS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
+        assert list(b.outputs[0].token_ids) == a, p
     assert llm.get_metrics()["num_accepted_tokens"] > 0
     llm.shutdown()
 
