@@ -337,6 +337,25 @@ def test_verify_cost_table_follows_the_costs():
             interp_cost(costs, n) for n in range(COST_TABLE_SIZE + 40)]
 
 
+@pytest.mark.parametrize("tree", [None, "auto"])
+def test_drafting_is_timed_at_the_depth_a_step_drafts(tiny_llama, tmp_path, monkeypatch, tree):
+    """The start-up drafting cost is measured drafting ``num_speculative_tokens`` deep (a tree of 2
+    depths costs less than one of the block's 3), not the whole block."""
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama)  # blocks of 4: 3 drafts
+    seen = []
+    for fn in ("propose", "propose_tree"):
+        def spy(self, seq_ids, anchors, starts, num_drafts, *args, _orig=getattr(proposer_mod.DSparkDraftWorker, fn),
+                **kw):
+            seen.append(num_drafts)
+            return _orig(self, seq_ids, anchors, starts, num_drafts, *args, **kw)
+        monkeypatch.setattr(proposer_mod.DSparkDraftWorker, fn, spy)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=2, speculative_config={
+        "method": "dspark", "model": str(drafter), "dspark_tree": tree, "ngram_branch": 0, "num_speculative_tokens": 2,
+        **({"dspark_verify": "auto"} if tree is None else {})})  # a chain's cost model, or the tree's
+    assert llm.engine.proposer.draft_costs and seen and set(seen) == {2}
+    llm.shutdown()
+
+
 def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={  # the cost model alone

@@ -243,11 +243,13 @@ class DSparkDraftWorker:
 
     @torch.inference_mode()
     def time_drafting(self, batch_sizes, context: int = PROFILE_CONTEXT, reps: int = 3,
-                      tree: tuple[int, int] | None = None) -> dict[int, float]:
+                      tree: tuple[int, int] | None = None, num_drafts: int | None = None) -> dict[int, float]:
         """Seconds of one drafting step for each batch size (median of ``reps``), over placeholder
         contexts of ``context`` positions (warm-up included); ``tree``: (topk, beam) times tree
-        drafting instead of a chain."""
+        drafting instead of a chain; ``num_drafts``: the drafts (tree depths) a step makes (default: the
+        block's all)."""
         d = self.cfg.hidden_size * self.cfg.num_aux_layers
+        g = self.cfg.num_drafts if num_drafts is None else int(num_drafts)
         out = {}
         for B in batch_sizes:
             ids = [-(i + 1) for i in range(B)]  # placeholder sequence ids
@@ -258,9 +260,9 @@ class DSparkDraftWorker:
                 synchronize(self.device)
                 t0 = time.perf_counter()
                 if tree is None:
-                    self.propose(ids, [0] * B, [context] * B, self.cfg.num_drafts)
+                    self.propose(ids, [0] * B, [context] * B, g)
                 else:
-                    self.propose_tree(ids, [0] * B, [context] * B, self.cfg.num_drafts, None, *tree)
+                    self.propose_tree(ids, [0] * B, [context] * B, g, None, *tree)
                 synchronize(self.device)
                 ts.append(time.perf_counter() - t0)
             for i in ids:
@@ -332,7 +334,8 @@ class DSparkProposer(ModelDrafter):
         else:
             (batch_sizes, sizes), tree = profile_sizes(max_seqs, self.num_speculative_tokens), None
         self.measure_costs(target, sizes, self.num_speculative_tokens)
-        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree)
+        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree,
+                                              self.num_speculative_tokens)
         log.info("%s auto: draft cost %s ms", self.name, {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
 
     def draft_vocabulary(self) -> torch.Tensor | None:
@@ -343,7 +346,7 @@ class DSparkProposer(ModelDrafter):
 
     def dummy_run(self, batch_size: int = 1) -> None:
         tree = None if self.tree_size is None else (self.tree_topk, self.tree_beam)
-        self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1, tree)
+        self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1, tree, self.num_speculative_tokens)
 
     def observe(self, seq, last_hidden, aux, reset) -> None:
         feats = torch.cat(aux, dim=-1)
