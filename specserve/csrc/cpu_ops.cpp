@@ -881,10 +881,241 @@ std::vector<at::Tensor> softmax_topk(at::Tensor base, c10::optional<at::Tensor> 
   return {q, idx};
 }
 
+namespace {
+
+constexpr int64_t kSearchChunk = 1024;  // draft-vocabulary entries per parallel chunk (a multiple of 16)
+
+inline v16s lanes16(const float* p) {
+  v16s x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline v16s lanes16(const at::BFloat16* p) {  // bfloat16 -> float32: the bits moved to the high half
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  typedef uint32_t v16u __attribute__((vector_size(64)));
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16s x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// one chunk's share of a node's children: its largest logit, the sum of exp(logit - that), and its
+// k best (value, index), best first, ties to the lower index
+struct ChunkTop {
+  float mx;
+  double sum;
+  std::vector<float> v;
+  std::vector<int64_t> i;
+};
+
+inline void insert_top(ChunkTop& c, float l, int64_t idx, int64_t k) {
+  if (!(l > c.v[k - 1])) return;
+  int64_t pos = k - 1;
+  while (pos > 0 && c.v[pos - 1] < l) {
+    c.v[pos] = c.v[pos - 1];
+    c.i[pos] = c.i[pos - 1];
+    --pos;
+  }
+  c.v[pos] = l;
+  c.i[pos] = idx;
+}
+
+// chunk [v0, v1) of the logits of W nodes: (base + W2 emb_w) / t, W2 packed in blocks of 16 rows
+// [Vp / 16, r, 16]; out[w] gets the chunk's max, exp-sum and top k
+template <typename T>
+void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, int64_t r, int64_t V, int64_t v0,
+                  int64_t v1, float t, int64_t k, ChunkTop* out) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t n = v1 - v0;
+  std::vector<float> buf(W * n);
+  std::vector<v16s> acc(W);
+  for (int64_t w = 0; w < W; ++w) out[w] = ChunkTop{ninf, 0.0, std::vector<float>(k, ninf), std::vector<int64_t>(k, -1)};
+  std::vector<v16s> mx(W, v16s{} + ninf);
+  for (int64_t v = v0; v < v1; v += 16) {
+    v16s b;
+    if (v + 16 <= V) {
+      std::memcpy(&b, base + v, sizeof(b));
+    } else {
+      for (int j = 0; j < 16; ++j) b[j] = v + j < V ? base[v + j] : 0.0f;
+    }
+    for (int64_t w = 0; w < W; ++w) acc[w] = v16s{};
+    const T* blk = w2p + (v / 16) * r * 16;
+    for (int64_t j = 0; j < r; ++j) {
+      const v16s x = lanes16(blk + j * 16);
+      for (int64_t w = 0; w < W; ++w) acc[w] += x * emb[w * r + j];
+    }
+    for (int64_t w = 0; w < W; ++w) {
+      v16s l = b + acc[w];
+      if (t != 1.0f) l = l / t;
+      if (v + 16 > V)
+        for (int j = 0; j < 16; ++j) l[j] = v + j < V ? l[j] : ninf;  // the padding: weight 0, never chosen
+      std::memcpy(buf.data() + w * n + (v - v0), &l, sizeof(l));
+      mx[w] = l > mx[w] ? l : mx[w];
+    }
+  }
+  for (int64_t w = 0; w < W; ++w)
+    for (int j = 0; j < 16; ++j) out[w].mx = std::max(out[w].mx, mx[w][j]);
+  for (int64_t w = 0; w < W; ++w) {
+    ChunkTop& c = out[w];
+    const float* lw = buf.data() + w * n;
+    v16s sum = v16s{};
+    for (int64_t v = 0; v < n; v += 16) {
+      v16s l;
+      std::memcpy(&l, lw + v, sizeof(l));
+      sum += exp16(l - c.mx);
+      const v16n over = l > c.v[k - 1];
+      bool any = false;
+      for (int j = 0; j < 16; ++j) any |= over[j] != 0;
+      if (!any) continue;
+      for (int j = 0; j < 16; ++j) insert_top(c, l[j], v0 + v + j, k);
+    }
+    for (int j = 0; j < 16; ++j) c.sum += sum[j];
+  }
+}
+
+template <typename T>
+void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, int64_t r, int64_t V, int64_t g,
+                float t, const float* conf_a, const float* conf_we, const float* ctemps, int64_t topk, int64_t beam,
+                int64_t* tok_out, int64_t* par_out, float* score_out) {
+  const int64_t kk = std::min(topk, V), Vp = (V + 15) / 16 * 16;
+  const int64_t nchunks = (Vp + kSearchChunk - 1) / kSearchChunk;
+  std::vector<int64_t> prev{-1}, fidx{-1};  // -1: the anchor (its W1 row given)
+  std::vector<float> fscore{1.0f};
+  int64_t offset = 0;
+  for (int64_t d = 0; d < g; ++d) {
+    const int64_t W = static_cast<int64_t>(prev.size());
+    std::vector<float> emb(W * r);
+    for (int64_t w = 0; w < W; ++w)
+      for (int64_t j = 0; j < r; ++j)
+        emb[w * r + j] = prev[w] < 0 ? anchor_emb[j] : static_cast<float>(w1[prev[w] * r + j]);
+    std::vector<ChunkTop> parts(nchunks * W);
+    auto run = [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        search_chunk(base + d * V, w2p, emb.data(), W, r, V, c * kSearchChunk, std::min(Vp, (c + 1) * kSearchChunk),
+                     t, kk, parts.data() + c * W);
+    };
+    if (nchunks > 1 && at::get_num_threads() > 1 && !at::in_parallel_region())
+      at::parallel_for(0, nchunks, 1, run);
+    else
+      run(0, nchunks);
+    const int64_t C = W * kk;
+    std::vector<float> child(C);
+    for (int64_t w = 0; w < W; ++w) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, parts[c * W + w].mx);
+      double total = 0.0;
+      ChunkTop best{m, 0.0, std::vector<float>(kk, -std::numeric_limits<float>::infinity()), std::vector<int64_t>(kk, -1)};
+      for (int64_t c = 0; c < nchunks; ++c) {  // chunks in index order: a tie keeps the lower index
+        const ChunkTop& p = parts[c * W + w];
+        if (p.mx > -std::numeric_limits<float>::infinity()) total += p.sum * std::exp(static_cast<double>(p.mx) - m);
+        for (int64_t j = 0; j < kk; ++j)
+          if (p.i[j] >= 0) insert_top(best, p.v[j], p.i[j], kk);
+      }
+      std::vector<float> q(kk);
+      for (int64_t j = 0; j < kk; ++j) q[j] = static_cast<float>(std::exp(static_cast<double>(best.v[j]) - m) / total);
+      std::vector<float> factor(q);
+      if (conf_a != nullptr) {  // the calibrated confidence for the rank-0 child, the rest of the mass shared
+        double logit = conf_a[d];
+        for (int64_t j = 0; j < r; ++j) logit += static_cast<double>(conf_we[j]) * emb[w * r + j];
+        const float c = 1.0f / (1.0f + std::exp(-static_cast<float>(logit) / ctemps[d]));
+        factor[0] = c;
+        for (int64_t j = 1; j < kk; ++j)
+          factor[j] = std::min(1.0f, (1.0f - c) * q[j] / std::max(1.0f - q[0], 1e-6f));
+      }
+      for (int64_t j = 0; j < kk; ++j) {
+        const int64_t at_ = offset + w * kk + j;
+        child[w * kk + j] = fscore[w] * factor[j];
+        tok_out[at_] = best.i[j];
+        par_out[at_] = fidx[w];
+        score_out[at_] = child[w * kk + j];
+      }
+    }
+    if (d + 1 < g) {  // the next depth expands this depth's best nodes (ties: the lower index)
+      const int64_t nb = std::min(beam, C);
+      std::vector<int64_t> order(C);
+      for (int64_t j = 0; j < C; ++j) order[j] = j;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return child[a] > child[b]; });
+      prev.assign(nb, 0);
+      fidx.assign(nb, 0);
+      fscore.assign(nb, 0.0f);
+      for (int64_t j = 0; j < nb; ++j) {
+        prev[j] = tok_out[offset + order[j]];  // a draft id: w1 holds the draft vocabulary's W1 rows
+        fidx[j] = offset + order[j];
+        fscore[j] = child[order[j]];
+      }
+    }
+    offset += C;
+  }
+}
+
+}  // namespace
+
+// A whole draft-tree search (drafting.draft_trees) for a vanilla Markov head in one call: base [B, g, V]
+// float32 logits of each depth; anchor_emb [B, r] float32: W1 of each row's anchor; w1 [V, r]: the W1 rows
+// of the draft vocabulary (indexed by draft id), w2p [ceil(V / 16), r, 16]: W2 in blocks of 16 draft ids
+// (zero padded), both float32 or bfloat16; t [B]
+// float32 temperatures (1 for greedy rows); conf_a [B, g] (the confidence logit's hidden part, its bias
+// included) and conf_we [r] (its W1 part), or undefined; conf_rows [B] bool: the rows scored by the
+// confidence head; ctemps [g] -> (draft ids, parents, scores), each [B, C], in draft_trees' layout.
+std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::Tensor w1, at::Tensor w2p, at::Tensor t,
+                                    c10::optional<at::Tensor> conf_a, c10::optional<at::Tensor> conf_we,
+                                    at::Tensor conf_rows, at::Tensor ctemps, int64_t topk, int64_t beam) {
+  TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat, "tree_search: base must be [B, g, V] float32");
+  base = base.contiguous();
+  const int64_t B = base.size(0), g = base.size(1), V = base.size(2), r = w1.size(1);
+  TORCH_CHECK(topk >= 1 && beam >= 1, "tree_search: topk and beam must be >= 1");
+  TORCH_CHECK(w1.scalar_type() == w2p.scalar_type() && (w1.scalar_type() == at::kFloat || w1.scalar_type() == at::kBFloat16),
+              "tree_search: w1 and w2p must both be float32 or bfloat16");
+  TORCH_CHECK(w2p.dim() == 3 && w2p.size(0) * 16 >= V && w2p.size(1) == r && w2p.size(2) == 16,
+              "tree_search: w2p must be [ceil(V / 16), r, 16]");
+  w1 = w1.contiguous();
+  w2p = w2p.contiguous();
+  auto an = anchor_emb.to(at::kFloat).contiguous();
+  TORCH_CHECK(w1.dim() == 2 && w1.size(0) == V, "tree_search: w1 must be [V, r]");
+  auto tt = t.to(at::kFloat).contiguous();
+  auto rows = conf_rows.to(at::kBool).contiguous();
+  auto ct = ctemps.to(at::kFloat).contiguous();
+  TORCH_CHECK(an.numel() == B * r && tt.numel() == B && rows.numel() == B && ct.numel() >= g, "tree_search: per-row sizes");
+  at::Tensor ca, cw;
+  if (conf_a.has_value() && conf_a->defined()) {
+    ca = conf_a->to(at::kFloat).contiguous();
+    cw = conf_we->to(at::kFloat).contiguous();
+    TORCH_CHECK(ca.size(0) == B && ca.size(1) >= g && cw.numel() == r, "tree_search: confidence sizes");
+  }
+  const int64_t kk = std::min(topk, V);
+  int64_t C = 0;
+  for (int64_t d = 0, W = 1; d < g; ++d) {
+    C += W * kk;
+    W = std::min(beam, W * kk);
+  }
+  auto tok = at::empty({B, C}, base.options().dtype(at::kLong));
+  auto par = at::empty({B, C}, base.options().dtype(at::kLong));
+  auto score = at::empty({B, C}, base.options());
+  for (int64_t b = 0; b < B; ++b) {
+    const bool conf = ca.defined() && rows.data_ptr<bool>()[b];
+    const float* pa = conf ? ca.data_ptr<float>() + b * ca.size(1) : nullptr;
+    const float* pw = conf ? cw.data_ptr<float>() : nullptr;
+    const float* pb = base.data_ptr<float>() + b * g * V;
+    if (w1.scalar_type() == at::kFloat)
+      search_row(pb, an.data_ptr<float>() + b * r, w1.data_ptr<float>(), w2p.data_ptr<float>(), r, V, g, tt.data_ptr<float>()[b], pa, pw,
+                 ct.data_ptr<float>(), topk, beam, tok.data_ptr<int64_t>() + b * C, par.data_ptr<int64_t>() + b * C,
+                 score.data_ptr<float>() + b * C);
+    else
+      search_row(pb, an.data_ptr<float>() + b * r, w1.data_ptr<at::BFloat16>(), w2p.data_ptr<at::BFloat16>(), r, V, g, tt.data_ptr<float>()[b],
+                 pa, pw, ct.data_ptr<float>(), topk, beam, tok.data_ptr<int64_t>() + b * C,
+                 par.data_ptr<int64_t>() + b * C, score.data_ptr<float>() + b * C);
+  }
+  return {tok, par, score};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
   m.def("softmax_topk", &softmax_topk, "the k most probable entries of softmax((base + bias) / t), per row");
+  m.def("tree_search", &tree_search, "a whole draft-tree search for a vanilla Markov head (drafting.draft_trees)");
   m.def("attention", &attention, "batch-invariant attention over a paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");

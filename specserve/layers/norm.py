@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back before the weight (as HF Llama/Qwen do). On a bfloat16
@@ -18,7 +20,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if (ops := _bf16_norm_op(x, self.weight)) is not None:  # the same bits in one C++ call
+            return ops.rms_norm(x, self.weight, self.eps, cpu_ops.norm_vec_width())
         return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
+
+
+def _bf16_norm_op(x: torch.Tensor, weight: torch.Tensor):
+    """The C++ ops (``cpu_ops``) where they compute this norm: bfloat16 on the CPU, nothing to differentiate
+    (``cpu_ops.rms_norm`` reproduces ``weight * F.rms_norm(x)`` bit for bit: ``cpu_ops.norm_vec_width``)."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    return cpu_ops.active()
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

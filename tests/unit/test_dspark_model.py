@@ -18,6 +18,7 @@ from specserve.distributed.parallel_state import TPGroup
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.dspark.config import DSparkConfig, d2t_from_t2d, expected_state_shapes
 from specserve.layers import cpu_ops
+from specserve.spec_decode.dspark import drafting
 from specserve.spec_decode.dspark.drafting import draft_block, draft_blocks, draft_trees
 from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.heads import ConfidenceHead, MarkovHead
@@ -436,9 +437,10 @@ def test_draft_block_greedy_and_probabilistic(head_type):
     assert not torch.allclose(flat[1:], probs[1:])
 
 
-@pytest.fixture(params=["ext", "torch"])
+@pytest.fixture(params=["ext", "torch", "search"])
 def topk_path(request, monkeypatch):
-    """Draft trees with their per-depth softmax + top-k in the C++ op (where it builds) or in PyTorch."""
+    """Draft trees with their per-depth softmax + top-k in the C++ op (where it builds), in PyTorch, or
+    (``search``: a vanilla Markov head packed for it) the whole search in one C++ call."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_ops, "ENABLED", False)
     elif cpu_ops.get() is None:
@@ -446,8 +448,9 @@ def topk_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("head_type, pruned", [("vanilla", False), ("gated", True), ("rnn", False), ("rnn", True)])
-def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path):
+@pytest.mark.parametrize("head_type, pruned", [("vanilla", False), ("vanilla", True), ("gated", True), ("rnn", False),
+                                             ("rnn", True)])
+def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path, monkeypatch):
     """Every candidate node's children are the top-k of ``U_d + B_d(its own path)`` (for the rnn head,
     the state unrolled along that path), scored by the calibrated confidence (greedy rows) or the
     draft probability at the row's temperature (sampled rows), times the parent's score; each depth
@@ -460,6 +463,13 @@ def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path
     head = MarkovHead(V, vd, R, D, head_type)
     randomize(head, 4)
     ch = ConfidenceHead(D, R, with_markov=True)
+    searched = []
+    if topk_path == "search":
+        if head_type != "vanilla":
+            pytest.skip("the one-call search is for vanilla heads")
+        head.pack_for_search(to_target if pruned else None)
+        real = drafting._tree_search
+        monkeypatch.setattr(drafting, "_tree_search", lambda *a: searched.append(1) or real(*a))
     Wd = torch.randn(vd, D)
     base = lambda h: h @ Wd.T  # noqa: E731
     hidden = torch.randn(2, BLOCK, D)
@@ -504,6 +514,7 @@ def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path
                 torch.testing.assert_close(sc[kids], parent * want, rtol=1e-4, atol=1e-6)
                 assert all(float(sc[c]) <= parent + 1e-7 for c in kids)
     # a beam as wide as the tree: the rank-0 path from the root is the greedy chain
+    assert len(searched) == (topk_path == "search")  # the one-call search ran where it was asked for
     full = draft_trees(base, hidden, anchors, head, topk=2, beam=2 ** BLOCK, d2t=t2d)
     chain = draft_blocks(base, hidden, anchors, head, d2t=t2d).tokens
     for b in range(2):
@@ -513,6 +524,45 @@ def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path
             node = next(c for c in range(len(par)) if par[c] == node)  # the first child: rank 0
             path.append(tok[node])
         assert path == chain[b].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
+    """Over a draft vocabulary of several of the op's chunks (1,024 ids each, the last one short), the
+    one-call search builds the loop's tree: the same tokens and parents, the scores to float32 rounding,
+    at every beam width, greedy and sampled rows, with and without a confidence head; an exact tie
+    across chunks goes to the lower id in both."""
+    if cpu_ops.get() is None:
+        pytest.skip("the C++ extension did not build here")
+    vt, vd, r, g = 4000, 2600, 32, 5
+    torch.manual_seed(1)
+    to_target = torch.randperm(vt)[:vd].sort().values
+    t2d = torch.zeros(vt, dtype=torch.bool)
+    t2d[to_target] = True
+    head = MarkovHead(vt, vd, r, D, "vanilla", dtype=dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    ch = ConfidenceHead(D, r, with_markov=True, dtype=dtype)
+    hidden = torch.randn(2, g, D).to(dtype)
+    base = torch.randn(2, g, vd)
+    base[0, 0, [7, 1500, 2500]] = 9.0  # a three-way tie for the first children of row 0, in three chunks
+    with torch.no_grad():
+        head.markov_w2.weight[[7, 1500, 2500]] = 0.0  # (no bias to break it)
+    trees = []
+    for topk, beam, temps, conf in [(4, 4, None, ch), (3, 2, [None, 0.8], ch), (2, 8, [1.3, None], None)]:
+        kw = dict(topk=topk, beam=beam, temperatures=temps, confidence_head=conf, confidence_temperatures=[1.2, 0.9],
+                  d2t=t2d)
+        head.search_pack = None
+        loop = draft_trees(lambda h: base, hidden, [11, 3999], head, **kw)
+        head.pack_for_search(to_target)
+        one = draft_trees(lambda h: base, hidden, [11, 3999], head, **kw)
+        assert torch.equal(one.tokens, loop.tokens) and torch.equal(one.parents, loop.parents)
+        assert torch.equal(one.depth, loop.depth)
+        torch.testing.assert_close(one.scores, loop.scores, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   atol=1e-5 if dtype == torch.bfloat16 else 1e-6)  # the loop rounds to bfloat16
+        trees.append(one)
+    assert trees[0].tokens[0, :3].tolist() == to_target[[7, 1500, 2500]].tolist()
 
 
 def test_rank0_is_pure_dflash():

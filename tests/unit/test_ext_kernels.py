@@ -6,6 +6,7 @@ SPECSERVE_NO_EXT=1. The extension is built on first use (once, into the specserv
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,16 +180,39 @@ def test_norm_ops_equal_rms_norm_bit_for_bit(n):
     vec = cpu_ops.norm_vec_width()
     norm = RMSNorm(n, 1e-5, torch.bfloat16)
     norm.weight.data = torch.randn(n, generator=g).to(torch.bfloat16)
+    def formula(t):  # RMSNorm's PyTorch path
+        return norm.weight * F.rms_norm(t, (n,), None, norm.eps)
+
     for rows in (1, 3, 16, 300):
         res = (torch.randn(1, rows, n, generator=g) * 3).to(torch.bfloat16)
         x = (torch.randn(1, rows, n, generator=g) * torch.rand(1, rows, 1, generator=g) * 5).to(torch.bfloat16)
         new_res, normed = ops.add_rms_norm(res, x, norm.weight, norm.eps, vec)
         assert torch.equal(new_res, res + x)
-        assert torch.equal(normed, norm(res + x))
-        assert torch.equal(ops.rms_norm(x, norm.weight, norm.eps, vec), norm(x))
+        assert torch.equal(normed, formula(res + x))
+        assert torch.equal(ops.rms_norm(x, norm.weight, norm.eps, vec), formula(x))
+        assert torch.equal(norm(x), formula(x))  # RMSNorm itself (through the op where it runs)
         # each row alone gives its bits in the batch
         whole = ops.rms_norm(x, norm.weight, norm.eps, vec)
         assert torch.equal(ops.rms_norm(x[:, :1], norm.weight, norm.eps, vec), whole[:, :1])
+
+
+@needs_ext
+def test_rms_norm_module_differentiates_through_its_pytorch_path(monkeypatch):
+    """A bfloat16 RMSNorm computes through the C++ op only where nothing is differentiated (the op has no
+    backward): under autograd it takes its PyTorch path and the gradient flows."""
+    calls = []
+    real = ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "active", lambda: SimpleNamespace(rms_norm=lambda *a: calls.append(1) or real(*a)))
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = norm(x)
+    assert calls == [1]
+    xg = x.clone().requires_grad_(True)
+    got = norm(xg)
+    assert calls == [1] and torch.equal(got.detach(), want)
+    got.float().sum().backward()
+    assert xg.grad is not None and bool(xg.grad.abs().sum() > 0)
 
 
 def test_fallback_is_taken_under_SPECSERVE_NO_EXT():

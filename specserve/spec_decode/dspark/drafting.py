@@ -161,6 +161,11 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     distribution shares it); otherwise the draft probability ``q`` at the row's temperature (1 for
     greedy rows), the chance that the target's own draw is that token. The scores only choose which
     candidates are verified; verification is exact.
+
+    On the CPU, a vanilla Markov head packed for it (``MarkovHead.pack_for_search``, which the drafting
+    worker's ``fuse_projections`` does) has the whole search after the base logits run in one C++ call
+    (``cpu_ops.tree_search``: every node's bias, softmax and top-k in one pass over W2, the depths and
+    the beam inside); other heads, devices or an unpacked head take the loop below.
     """
     B = hidden.shape[0]
     g = hidden.shape[1] if num_drafts is None else max(0, min(int(num_drafts), hidden.shape[1]))
@@ -182,6 +187,11 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     fscore = torch.ones(B, 1, device=device)
     fidx = torch.full((B, 1), -1, dtype=torch.long, device=device)
     base = base_logits_fn(hidden).float() if g else None  # [B, g, V_draft]
+    pack = None if markov is None else markov.search_pack
+    ops = cpu_ops.active() if g and pack is not None and device.type == "cpu" else None
+    if ops is not None:  # the whole search in one C++ call (a vanilla head packed for it)
+        return _tree_search(ops, pack, base, hidden, markov.prev_embeddings(prev.view(B)), confidence_head,
+                            is_greedy, temps, ctemps, topk, beam, to_target)
     state, toks, pars, scores, depth, offset = None, [], [], [], [], 0
     for k in range(g):
         W, V = prev.shape[1], base.shape[-1]
@@ -220,6 +230,28 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
                          torch.zeros(B, 0, device=device))
     return DraftTree(torch.cat(toks, 1), torch.cat(pars, 1), torch.tensor(depth, dtype=torch.long, device=device),
                      torch.cat(scores, 1))
+
+
+def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy, temps, ctemps, topk, beam,
+                 to_target) -> DraftTree:
+    """``draft_trees``' search by ``cpu_ops.tree_search``: the same nodes in the same layout (a tie between
+    two candidates goes to the lower draft id / node index), the scores to float32 rounding."""
+    B, g, d = hidden.shape
+    w1d, w2p = pack
+    t = torch.tensor([1.0 if gr else float(tp) for gr, tp in zip(is_greedy, temps)])
+    conf_a = conf_we = None
+    if confidence_head is not None:
+        w = confidence_head.proj.weight.detach().float()[0]  # [d (+ r)]: the hidden part, then W1's
+        conf_a = hidden.float() @ w[:d] + confidence_head.proj.bias.detach().float()
+        conf_we = w[d:] if confidence_head.with_markov else w.new_zeros(w1d.shape[1])
+    tok, par, score = ops.tree_search(base, anchor_emb.float(), w1d, w2p, t, conf_a, conf_we,
+                                      torch.tensor(is_greedy) & (confidence_head is not None),
+                                      torch.tensor(ctemps, dtype=torch.float32), topk, beam)
+    kk, W, depth = min(topk, base.shape[-1]), 1, []
+    for k in range(g):
+        depth += [k + 1] * (W * kk)
+        W = min(beam, W * kk)
+    return DraftTree(tok if to_target is None else to_target[tok], par, torch.tensor(depth, dtype=torch.long), score)
 
 
 def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,

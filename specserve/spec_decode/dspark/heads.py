@@ -53,6 +53,23 @@ class MarkovHead(nn.Module):
             self.gate_proj = nn.Linear(hidden_size + rank, rank, dtype=dtype)
         elif head_type == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, dtype=dtype)
+        self.search_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # ``pack_for_search``
+
+    @torch.no_grad()
+    def pack_for_search(self, to_target: torch.Tensor | None = None) -> None:
+        """For inference: the weights of the C++ tree search (``drafting.draft_trees`` through
+        ``cpu_ops.tree_search``, a vanilla head kept whole): W1's rows of the draft vocabulary (``to_target``:
+        each draft id's target id; None: the same vocabulary) and W2 in blocks of 16 draft ids, [ceil(V /
+        16), r, 16], copies taken now (call before the head's weights are quantized)."""
+        if self.head_type != "vanilla" or self.sharded:
+            return
+        V, r = self.draft_vocab_size, self.rank
+        w1 = self.markov_w1.weight.detach()
+        w1d = (w1[:V] if to_target is None else w1[to_target.to(w1.device)]).contiguous()
+        w2 = self.markov_w2.weight.detach()[:V]
+        Vp = (V + 15) // 16 * 16
+        w2 = torch.cat([w2, w2.new_zeros(Vp - V, r)]) if Vp > V else w2
+        self.search_pack = (w1d, w2.reshape(Vp // 16, 16, r).transpose(1, 2).contiguous())
 
     def prev_embeddings(self, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """W1[x] for target-vocab ids [...] -> [..., r]."""

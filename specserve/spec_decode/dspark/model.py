@@ -53,7 +53,14 @@ from specserve.layers.norm import RMSNorm, rms_norm_heads
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.dspark.config import DSparkConfig
-from specserve.spec_decode.dspark.drafting import DraftBlock, DraftTree, draft_block, draft_blocks, draft_trees
+from specserve.spec_decode.dspark.drafting import (
+    DraftBlock,
+    DraftTree,
+    draft_block,
+    draft_blocks,
+    draft_target_ids,
+    draft_trees,
+)
 from specserve.spec_decode.dspark.heads import ConfidenceHead, MarkovHead
 
 # ---- backbone -------------------------------------------------------------------------------------
@@ -279,7 +286,8 @@ class DFlashDrafter(nn.Module):
         """For inference (the drafting worker): fewer, larger GEMMs and fewer small ops per drafting step,
         the same math. Each layer's q/k/v and gate/up projections become one GEMM each
         (``DFlashAttention.fuse``, ``DFlashMLP.fuse``), and the context K/V of all layers one GEMM with
-        their k_norms in one call (``project_context``). Call after the weights are loaded and before
+        their k_norms in one call (``project_context``). A vanilla Markov head keeps a copy of its weights for the
+        C++ tree search (``MarkovHead.pack_for_search``). Call after the weights are loaded and before
         ``pack_linears``; a fused drafter no longer trains or saves."""
         if self.ctx_kv_proj is not None:
             return
@@ -289,6 +297,8 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        if self.markov_head is not None:  # the tree search's own copy of the Markov weights
+            self.markov_head.pack_for_search(draft_target_ids(self.d2t))
 
     # -- block --------------------------------------------------------------------------------------
     def block_input_ids(self, anchor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""DSpark's default configuration with its drafting step as it was and as it is, interleaved in one
+process with plain decoding: "loop" searches the draft tree depth by depth in PyTorch (a Markov-head
+GEMM, the C++ softmax + top-k, the confidence head and the beam's top-k per depth) and norms the
+drafter's states with ``F.rms_norm``; "one-call" searches the whole tree in ``cpu_ops.tree_search`` and
+norms through ``cpu_ops.rms_norm`` (the default). Held-out category prompts, greedy; prints tok/s over
+plain decoding (all and per category), drafting ms per call, and whether every answer is plain
+decoding's. The figures in docs/drafters-by-category.md come from
+``python scripts/dspark_drafting.py --num-prompts 6 --threads 2``."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specserve import LLM, SamplingParams
+from specserve.bench.categories import category_prompts
+from specserve.layers.norm import RMSNorm
+
+
+def as_before(llm: LLM) -> None:
+    """The drafter of ``llm`` searches depth by depth and norms through ``F.rms_norm``."""
+    drafter = llm.engine.runner.helper("dspark").drafter
+    drafter.markov_head.search_pack = None
+    for m in drafter.modules():
+        if isinstance(m, RMSNorm):
+            m.forward = lambda x, m=m: m.weight * F.rms_norm(x, m.weight.shape, None, m.eps)
+
+
+def timed_drafting(llm: LLM, spent: list[float]) -> None:
+    """Adds each drafting call's seconds of ``llm`` to ``spent``."""
+    worker = llm.engine.runner.helper("dspark")
+    real = worker.propose_tree
+
+    def propose_tree(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    worker.propose_tree = propose_tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per category")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = {"plain": LLM(), "loop": LLM(speculative_config={"method": "dspark"}),
+               "one-call": LLM(speculative_config={"method": "dspark"})}
+    as_before(engines["loop"])
+    drafting = {name: [] for name in ("loop", "one-call")}
+    for name, spent in drafting.items():
+        timed_drafting(engines[name], spent)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = category_prompts("categories", args.num_prompts)
+    wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
+    for i, (cat, prompt) in enumerate(prompts):
+        names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order
+        out = {}
+        for name in names:
+            t0 = time.perf_counter()
+            out[name] = list(engines[name].chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
+                             .outputs[0].token_ids)
+            dt = time.perf_counter() - t0
+            for key in (name, (cat, name)):
+                wall[key] += dt
+                tokens[key] += len(out[name])
+        for name in engines:
+            same[name] += out[name] == out["plain"]
+    print(f"{len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
+    print("| row | tok/s | x plain | drafting ms a call (calls) | identical to plain |\n|---|---|---|---|---|")
+    for name in engines:
+        d = drafting.get(name)
+        call = f"{1e3 * sum(d) / max(1, len(d)):.2f} ({len(d)})" if d is not None else "-"
+        print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | {call} | "
+              f"{same[name]}/{len(prompts)} |")
+    print("\n| category | loop | one-call |\n|---|---|---|")
+    for cat in dict.fromkeys(c for c, _ in prompts):
+        print(f"| {cat} | {wall[(cat, 'plain')] / wall[(cat, 'loop')]:.3f}x | "
+              f"{wall[(cat, 'plain')] / wall[(cat, 'one-call')]:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
