@@ -932,7 +932,8 @@ void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, 
   const int64_t n = v1 - v0;
   std::vector<float> buf(W * n);
   std::vector<v16s> acc(W);
-  for (int64_t w = 0; w < W; ++w) out[w] = ChunkTop{ninf, 0.0, std::vector<float>(k, ninf), std::vector<int64_t>(k, -1)};
+  for (int64_t w = 0; w < W; ++w)
+    out[w] = ChunkTop{ninf, 0.0, std::vector<float>(k, ninf), std::vector<int64_t>(k, -1)};
   std::vector<v16s> mx(W, v16s{} + ninf);
   for (int64_t v = v0; v < v1; v += 16) {
     v16s b;
@@ -977,9 +978,9 @@ void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, 
 }
 
 template <typename T>
-void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, int64_t r, int64_t V, int64_t g,
-                float t, const float* conf_a, const float* conf_we, const float* ctemps, int64_t topk, int64_t beam,
-                int64_t* tok_out, int64_t* par_out, float* score_out) {
+void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, int64_t r, int64_t V,
+                int64_t g, float t, const float* conf_a, const float* conf_we, const float* ctemps, int64_t topk,
+                int64_t beam, int64_t* tok_out, int64_t* par_out, float* score_out) {
   const int64_t kk = std::min(topk, V), Vp = (V + 15) / 16 * 16;
   const int64_t nchunks = (Vp + kSearchChunk - 1) / kSearchChunk;
   std::vector<int64_t> prev{-1}, fidx{-1};  // -1: the anchor (its W1 row given)
@@ -994,8 +995,8 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
     std::vector<ChunkTop> parts(nchunks * W);
     auto run = [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c)
-        search_chunk(base + d * V, w2p, emb.data(), W, r, V, c * kSearchChunk, std::min(Vp, (c + 1) * kSearchChunk),
-                     t, kk, parts.data() + c * W);
+        search_chunk(base + d * V, w2p, emb.data(), W, r, V, c * kSearchChunk,
+                     std::min(Vp, (c + 1) * kSearchChunk), t, kk, parts.data() + c * W);
     };
     if (nchunks > 1 && at::get_num_threads() > 1 && !at::in_parallel_region())
       at::parallel_for(0, nchunks, 1, run);
@@ -1004,13 +1005,14 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
     const int64_t C = W * kk;
     std::vector<float> child(C);
     for (int64_t w = 0; w < W; ++w) {
-      float m = -std::numeric_limits<float>::infinity();
+      const float ninf = -std::numeric_limits<float>::infinity();
+      float m = ninf;
       for (int64_t c = 0; c < nchunks; ++c) m = std::max(m, parts[c * W + w].mx);
       double total = 0.0;
-      ChunkTop best{m, 0.0, std::vector<float>(kk, -std::numeric_limits<float>::infinity()), std::vector<int64_t>(kk, -1)};
+      ChunkTop best{m, 0.0, std::vector<float>(kk, ninf), std::vector<int64_t>(kk, -1)};
       for (int64_t c = 0; c < nchunks; ++c) {  // chunks in index order: a tie keeps the lower index
         const ChunkTop& p = parts[c * W + w];
-        if (p.mx > -std::numeric_limits<float>::infinity()) total += p.sum * std::exp(static_cast<double>(p.mx) - m);
+        if (p.mx > ninf) total += p.sum * std::exp(static_cast<double>(p.mx) - m);
         for (int64_t j = 0; j < kk; ++j)
           if (p.i[j] >= 0) insert_top(best, p.v[j], p.i[j], kk);
       }
@@ -1054,20 +1056,22 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
 }  // namespace
 
 // A whole draft-tree search (drafting.draft_trees) for a vanilla Markov head in one call: base [B, g, V]
-// float32 logits of each depth; anchor_emb [B, r] float32: W1 of each row's anchor; w1 [V, r]: the W1 rows
-// of the draft vocabulary (indexed by draft id), w2p [ceil(V / 16), r, 16]: W2 in blocks of 16 draft ids
-// (zero padded), both float32 or bfloat16; t [B]
-// float32 temperatures (1 for greedy rows); conf_a [B, g] (the confidence logit's hidden part, its bias
-// included) and conf_we [r] (its W1 part), or undefined; conf_rows [B] bool: the rows scored by the
-// confidence head; ctemps [g] -> (draft ids, parents, scores), each [B, C], in draft_trees' layout.
-std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::Tensor w1, at::Tensor w2p, at::Tensor t,
-                                    c10::optional<at::Tensor> conf_a, c10::optional<at::Tensor> conf_we,
-                                    at::Tensor conf_rows, at::Tensor ctemps, int64_t topk, int64_t beam) {
+// float32 logits of each depth; anchor_emb [B, r] float32: W1 of each row's anchor; w1 [V, r]: the W1
+// rows of the draft vocabulary (indexed by draft id), w2p [ceil(V / 16), r, 16]: W2 in blocks of 16
+// draft ids (zero padded), both float32 or bfloat16; t [B] float32 temperatures (1 for greedy rows);
+// conf_a [B, g] (the confidence logit's hidden part, its bias included) and conf_we [r] (its W1 part),
+// or undefined; conf_rows [B] bool: the rows scored by the confidence head; ctemps [g]
+// -> (draft ids, parents, scores), each [B, C], in draft_trees' layout.
+std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::Tensor w1, at::Tensor w2p,
+                                    at::Tensor t, c10::optional<at::Tensor> conf_a,
+                                    c10::optional<at::Tensor> conf_we, at::Tensor conf_rows, at::Tensor ctemps,
+                                    int64_t topk, int64_t beam) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat, "tree_search: base must be [B, g, V] float32");
   base = base.contiguous();
   const int64_t B = base.size(0), g = base.size(1), V = base.size(2), r = w1.size(1);
   TORCH_CHECK(topk >= 1 && beam >= 1, "tree_search: topk and beam must be >= 1");
-  TORCH_CHECK(w1.scalar_type() == w2p.scalar_type() && (w1.scalar_type() == at::kFloat || w1.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(w1.scalar_type() == w2p.scalar_type() &&
+                  (w1.scalar_type() == at::kFloat || w1.scalar_type() == at::kBFloat16),
               "tree_search: w1 and w2p must both be float32 or bfloat16");
   TORCH_CHECK(w2p.dim() == 3 && w2p.size(0) * 16 >= V && w2p.size(1) == r && w2p.size(2) == 16,
               "tree_search: w2p must be [ceil(V / 16), r, 16]");
@@ -1078,7 +1082,8 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
   auto tt = t.to(at::kFloat).contiguous();
   auto rows = conf_rows.to(at::kBool).contiguous();
   auto ct = ctemps.to(at::kFloat).contiguous();
-  TORCH_CHECK(an.numel() == B * r && tt.numel() == B && rows.numel() == B && ct.numel() >= g, "tree_search: per-row sizes");
+  TORCH_CHECK(an.numel() == B * r && tt.numel() == B && rows.numel() == B && ct.numel() >= g,
+              "tree_search: per-row sizes");
   at::Tensor ca, cw;
   if (conf_a.has_value() && conf_a->defined()) {
     ca = conf_a->to(at::kFloat).contiguous();
@@ -1099,14 +1104,17 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
     const float* pa = conf ? ca.data_ptr<float>() + b * ca.size(1) : nullptr;
     const float* pw = conf ? cw.data_ptr<float>() : nullptr;
     const float* pb = base.data_ptr<float>() + b * g * V;
+    const float* pe = an.data_ptr<float>() + b * r;
+    const float tb = tt.data_ptr<float>()[b];
+    int64_t* po = tok.data_ptr<int64_t>() + b * C;
+    int64_t* pp = par.data_ptr<int64_t>() + b * C;
+    float* ps = score.data_ptr<float>() + b * C;
     if (w1.scalar_type() == at::kFloat)
-      search_row(pb, an.data_ptr<float>() + b * r, w1.data_ptr<float>(), w2p.data_ptr<float>(), r, V, g, tt.data_ptr<float>()[b], pa, pw,
-                 ct.data_ptr<float>(), topk, beam, tok.data_ptr<int64_t>() + b * C, par.data_ptr<int64_t>() + b * C,
-                 score.data_ptr<float>() + b * C);
+      search_row(pb, pe, w1.data_ptr<float>(), w2p.data_ptr<float>(), r, V, g, tb, pa, pw, ct.data_ptr<float>(), topk,
+                 beam, po, pp, ps);
     else
-      search_row(pb, an.data_ptr<float>() + b * r, w1.data_ptr<at::BFloat16>(), w2p.data_ptr<at::BFloat16>(), r, V, g, tt.data_ptr<float>()[b],
-                 pa, pw, ct.data_ptr<float>(), topk, beam, tok.data_ptr<int64_t>() + b * C,
-                 par.data_ptr<int64_t>() + b * C, score.data_ptr<float>() + b * C);
+      search_row(pb, pe, w1.data_ptr<at::BFloat16>(), w2p.data_ptr<at::BFloat16>(), r, V, g, tb, pa, pw,
+                 ct.data_ptr<float>(), topk, beam, po, pp, ps);
   }
   return {tok, par, score};
 }

@@ -1,7 +1,8 @@
 """The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
 attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
 the AVX-512 BF16 kernel is built, float64 otherwise and for float32 rows), the fused residual add +
-RMSNorm, a whole decoder layer of a quantized model in one call, and (``specserve/csrc/quant_gemm.cpp``,
+RMSNorm, a whole decoder layer of a quantized model in one call, the DSpark drafter's candidate search
+(``softmax_topk`` per depth, ``tree_search`` for a whole tree), and (``specserve/csrc/quant_gemm.cpp``,
 AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights (``layers.quant.GroupKernel``).
 
 Built with ``torch.utils.cpp_extension.load`` on first use (~40 s) into the specserve cache

@@ -61,8 +61,9 @@ class MarkovHead(nn.Module):
         ``cpu_ops.tree_search``, a vanilla head kept whole): W1's rows of the draft vocabulary (``to_target``:
         each draft id's target id; None: the same vocabulary) and W2 in blocks of 16 draft ids, [ceil(V /
         16), r, 16], copies taken now (call before the head's weights are quantized)."""
-        if self.head_type != "vanilla" or self.sharded:
-            return
+        dtype = self.markov_w2.weight.dtype
+        if self.head_type != "vanilla" or self.sharded or dtype not in (torch.float32, torch.bfloat16):
+            return  # (the op reads float32 or bfloat16 weights)
         V, r = self.draft_vocab_size, self.rank
         w1 = self.markov_w1.weight.detach()
         w1d = (w1[:V] if to_target is None else w1[to_target.to(w1.device)]).contiguous()

@@ -286,9 +286,9 @@ class DFlashDrafter(nn.Module):
         """For inference (the drafting worker): fewer, larger GEMMs and fewer small ops per drafting step,
         the same math. Each layer's q/k/v and gate/up projections become one GEMM each
         (``DFlashAttention.fuse``, ``DFlashMLP.fuse``), and the context K/V of all layers one GEMM with
-        their k_norms in one call (``project_context``). A vanilla Markov head keeps a copy of its weights for the
-        C++ tree search (``MarkovHead.pack_for_search``). Call after the weights are loaded and before
-        ``pack_linears``; a fused drafter no longer trains or saves."""
+        their k_norms in one call (``project_context``); a vanilla Markov head keeps a copy of its weights
+        for the C++ tree search (``MarkovHead.pack_for_search``). Call after the weights are loaded and
+        before ``pack_linears``; a fused drafter no longer trains or saves."""
         if self.ctx_kv_proj is not None:
             return
         attn = [layer.self_attn for layer in self.layers]
