@@ -760,6 +760,39 @@ inline v16s exp16(v16s x) {
   return x < -87.0f ? v16s{} : p * scale;
 }
 
+// l (index idx) into the k best so far, topv / topi (best first): after every entry >= l, so a tie keeps
+// the entry that came first
+inline void insert_top(float* topv, int64_t* topi, int64_t k, float l, int64_t idx) {
+  if (!(l > topv[k - 1])) return;
+  int64_t pos = k - 1;
+  while (pos > 0 && topv[pos - 1] < l) {
+    topv[pos] = topv[pos - 1];
+    topi[pos] = topi[pos - 1];
+    --pos;
+  }
+  topv[pos] = l;
+  topi[pos] = idx;
+}
+
+// one pass over n logits l (n a multiple of 16; indices idx0 ..): each merged into the k best so far
+// (insert_top, in index order), and the sum of exp(l - m) (m >= every l) returned
+double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, int64_t* topi, int64_t idx0) {
+  v16s sum = v16s{};
+  for (int64_t v = 0; v < n; v += 16) {
+    v16s x;
+    std::memcpy(&x, l + v, sizeof(x));
+    sum += exp16(x - m);
+    const v16n over = x > topv[k - 1];
+    bool any = false;
+    for (int j = 0; j < 16; ++j) any |= over[j] != 0;
+    if (!any) continue;
+    for (int j = 0; j < 16; ++j) insert_top(topv, topi, k, x[j], idx0 + v + j);
+  }
+  double total = 0.0;
+  for (int j = 0; j < 16; ++j) total += sum[j];
+  return total;
+}
+
 // one row: logits l = (base + bias) / t over V -> the k largest (ties: the lower index first) as softmax
 // probabilities, and their indices. buf: room for V rounded up to 16 floats.
 template <typename B>
@@ -797,31 +830,7 @@ void softmax_topk_row(const float* base, const B* bias, float t, int64_t V, int6
   for (int j = 1; j < 16; ++j) m = std::max(m, mx[j]);
   std::vector<float> topv(k, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> topi(k, -1);
-  float thr = -std::numeric_limits<float>::infinity();  // the k-th best so far
-  v16s sum = v16s{};
-  for (int64_t v = 0; v < Vp; v += 16) {
-    v16s l;
-    std::memcpy(&l, buf + v, sizeof(l));
-    sum += exp16(l - m);
-    const v16n over = l > thr;
-    bool any = false;
-    for (int j = 0; j < 16; ++j) any |= over[j] != 0;
-    if (!any) continue;
-    for (int j = 0; j < 16; ++j) {
-      if (!(l[j] > thr)) continue;
-      int64_t pos = k - 1;  // insert after every entry >= l[j]
-      while (pos > 0 && topv[pos - 1] < l[j]) {
-        topv[pos] = topv[pos - 1];
-        topi[pos] = topi[pos - 1];
-        --pos;
-      }
-      topv[pos] = l[j];
-      topi[pos] = v + j;
-      thr = topv[k - 1];
-    }
-  }
-  double total = 0.0;
-  for (int j = 0; j < 16; ++j) total += sum[j];
+  const double total = exp_sum_top(buf, Vp, m, k, topv.data(), topi.data(), 0);
   for (int64_t j = 0; j < k; ++j) {
     q_out[j] = static_cast<float>(std::exp(static_cast<double>(topv[j]) - m) / total);
     i_out[j] = topi[j];
@@ -911,18 +920,6 @@ struct ChunkTop {
   std::vector<int64_t> i;
 };
 
-inline void insert_top(ChunkTop& c, float l, int64_t idx, int64_t k) {
-  if (!(l > c.v[k - 1])) return;
-  int64_t pos = k - 1;
-  while (pos > 0 && c.v[pos - 1] < l) {
-    c.v[pos] = c.v[pos - 1];
-    c.i[pos] = c.i[pos - 1];
-    --pos;
-  }
-  c.v[pos] = l;
-  c.i[pos] = idx;
-}
-
 // chunk [v0, v1) of the logits of W nodes: (base + W2 emb_w) / t, W2 packed in blocks of 16 rows
 // [Vp / 16, r, 16]; out[w] gets the chunk's max, exp-sum and top k
 template <typename T>
@@ -959,22 +956,8 @@ void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, 
   }
   for (int64_t w = 0; w < W; ++w)
     for (int j = 0; j < 16; ++j) out[w].mx = std::max(out[w].mx, mx[w][j]);
-  for (int64_t w = 0; w < W; ++w) {
-    ChunkTop& c = out[w];
-    const float* lw = buf.data() + w * n;
-    v16s sum = v16s{};
-    for (int64_t v = 0; v < n; v += 16) {
-      v16s l;
-      std::memcpy(&l, lw + v, sizeof(l));
-      sum += exp16(l - c.mx);
-      const v16n over = l > c.v[k - 1];
-      bool any = false;
-      for (int j = 0; j < 16; ++j) any |= over[j] != 0;
-      if (!any) continue;
-      for (int j = 0; j < 16; ++j) insert_top(c, l[j], v0 + v + j, k);
-    }
-    for (int j = 0; j < 16; ++j) c.sum += sum[j];
-  }
+  for (int64_t w = 0; w < W; ++w)
+    out[w].sum = exp_sum_top(buf.data() + w * n, n, out[w].mx, k, out[w].v.data(), out[w].i.data(), v0);
 }
 
 template <typename T>
@@ -1014,7 +997,7 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
         const ChunkTop& p = parts[c * W + w];
         if (p.mx > ninf) total += p.sum * std::exp(static_cast<double>(p.mx) - m);
         for (int64_t j = 0; j < kk; ++j)
-          if (p.i[j] >= 0) insert_top(best, p.v[j], p.i[j], kk);
+          if (p.i[j] >= 0) insert_top(best.v.data(), best.i.data(), kk, p.v[j], p.i[j]);
       }
       std::vector<float> q(kk);
       for (int64_t j = 0; j < kk; ++j) q[j] = static_cast<float>(std::exp(static_cast<double>(best.v[j]) - m) / total);
