@@ -32,6 +32,11 @@ constexpr int64_t kRows = 16;
 constexpr int64_t kQ4Block = 256 + 64;  // 8 chunks of codes, 16 fp16 d, 16 fp16 m
 constexpr int64_t kQ8Block = 512 + 32;  // 16 chunks of int8 codes, 16 fp16 d
 constexpr int kMaxTile = 8;
+// Tiles of at least kPrefetchTile rows spend long enough on each group that the weight stream stalls
+// them: they prefetch the group kPrefetchGroups ahead (into the next block at a block's end). Smaller
+// tiles are bound by memory anyway and ran slower with it. The same bits either way.
+constexpr int kPrefetchTile = 5;
+constexpr int64_t kPrefetchGroups = 4;
 
 inline uint16_t bf16_bits(float f) {
   uint32_t u;
@@ -54,6 +59,10 @@ inline void block_tile(const uint8_t* wb, int64_t groups, const at::BFloat16* x,
   for (int r = 0; r < MT; ++r) tot[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = wb + g * (Q8 ? kQ8Block : kQ4Block);
+    if constexpr (MT >= kPrefetchTile) {
+      const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchGroups * (Q8 ? kQ8Block : kQ4Block);
+      for (int l = 0; l <= (Q8 ? kQ8Block : kQ4Block) / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    }
     const int32_t* xp[MT];
     for (int r = 0; r < MT; ++r) xp[r] = reinterpret_cast<const int32_t*>(x + r * ldx + g * kGroup);
     __m512 a0[MT], a1[MT];
@@ -97,6 +106,35 @@ inline void block_tile(const uint8_t* wb, int64_t groups, const at::BFloat16* x,
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(tot[r]));
 }
 
+// xs[i, g] = x[i, 32 g] + x[i, 32 g + 1] + ... + x[i, 32 g + 31], added one by one in that order in
+// float32. Sixteen groups at a time, one per lane (a gather of 32-bit words brings each lane's next
+// two values), so the 32 dependent adds of one group overlap those of the other fifteen.
+void group_sums(const at::BFloat16* x, int64_t M, int64_t K, float* xs) {
+  const int64_t groups = K / kGroup;
+  const __m512i lane_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(kGroup * 2));  // byte offset of each lane's group
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t i = 0; i < M; ++i) {
+    const at::BFloat16* row = x + i * K;
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      const char* base = reinterpret_cast<const char*>(row + g * kGroup);
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kGroup; k += 2) {
+        const __m512i w = _mm512_i32gather_epi32(lane_at, base + 2 * k, 1);  // values k (low half), k + 1 (high)
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      }
+      _mm512_storeu_ps(xs + i * groups + g, s);
+    }
+    for (; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = 0; k < kGroup; ++k) s += static_cast<float>(row[g * kGroup + k]);
+      xs[i * groups + g] = s;
+    }
+  }
+}
+
 template <bool Q8>
 void block_rows(const uint8_t* wb, int64_t groups, const at::BFloat16* x, int64_t M, int64_t K, const float* xs,
                 at::BFloat16* y, int64_t N, __m512i lut, int64_t max_tile) {
@@ -138,14 +176,7 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t gra
   if (M == 0 || N == 0) return y;
   const auto* px = x.data_ptr<at::BFloat16>();
   std::vector<float> xs(M * groups);  // each group's sum of x, in order (the offset term)
-  if (!q8) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.f;
-        for (int64_t k = 0; k < kGroup; ++k) s += static_cast<float>(px[i * K + g * kGroup + k]);
-        xs[i * groups + g] = s;
-      }
-  }
+  if (!q8) group_sums(px, M, K, xs.data());
   const __m512i lut = nibble_table();
   const uint8_t* pw = packed.data_ptr<uint8_t>();
   auto* py = y.data_ptr<at::BFloat16>();

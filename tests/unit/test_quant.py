@@ -116,6 +116,49 @@ def test_group_kernel_matches_exact_product_and_is_row_invariant(kind, shape):
     assert torch.equal(k(x.float()), full.float())  # float32 activations: computed in bfloat16
 
 
+def _sums_in_order(x: np.ndarray, pairs_swapped: bool = False) -> np.ndarray:
+    """Per row: the float32 sum, group after group, of each group of 32 values added one by one (or
+    with each pair of neighbours added the other way round: a wrong order the test must tell apart)."""
+    out = []
+    for row in x.astype(np.float32):
+        tot = np.float32(0)
+        for g in range(0, len(row), 32):
+            vals = row[g : g + 32]
+            if pairs_swapped:
+                vals = vals.reshape(16, 2)[:, ::-1].reshape(-1)
+            s = np.float32(0)
+            for v in vals:
+                s = np.float32(s + v)
+            tot = np.float32(tot + s)
+        out.append(tot)
+    return np.array(out, dtype=np.float32)
+
+
+@needs_group_kernel
+def test_group_kernel_sums_each_group_of_x_in_order():
+    """The 4-bit kernel's offset term, m times each group's sum of x: with scales d = 0 and offsets m = 1
+    every output is the groups' sums added in order, each group's 32 values added one by one in float32.
+    x is made of runs (s, B, -B, t), |s| < 1 and |B| = 2^24: in order s vanishes into B and the run adds
+    t; in another order s or t may survive or round. 37 groups: two passes of 16 groups a lane and 5
+    more one by one."""
+    K, N = 32 * 37, 16
+    rng = np.random.default_rng(4)
+    sign = lambda: rng.choice([-1.0, 1.0], (6, K // 4))  # noqa: E731
+    big = sign() * 2.0**24
+    runs = [sign() * rng.choice([0.125, 0.25, 0.5], (6, K // 4)), big, -big, sign() * rng.integers(1, 9, (6, K // 4))]
+    x = torch.tensor(np.stack(runs, axis=-1).reshape(6, K), dtype=torch.float32).to(torch.bfloat16)
+    codes = torch.from_numpy(rng.integers(0, 16, (N, K), dtype=np.uint8))
+    qt = QuantTensor(codes, torch.zeros(N, K // 32), torch.ones(N, K // 32), 32, 4, "offset only")
+    k = make_kernel(qt)
+    assert isinstance(k, GroupKernel)
+    y = k(x)
+    want = torch.from_numpy(_sums_in_order(x.float().numpy())).to(torch.bfloat16)
+    assert torch.equal(y, want.unsqueeze(1).expand(6, N))
+    swapped = torch.from_numpy(_sums_in_order(x.float().numpy(), pairs_swapped=True)).to(torch.bfloat16)
+    assert not torch.equal(swapped, want)  # the data tells the orders apart
+    assert torch.equal(k(x[2:3]), y[2:3])
+
+
 @needs_group_kernel
 @pytest.mark.parametrize("kind", list(GGUF_BLOCKS))
 def test_group_kernel_computes_gguf_blocks_as_stored(kind):
