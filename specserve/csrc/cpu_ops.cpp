@@ -674,6 +674,60 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
   }
 }
 
+#if defined(__AVX512BF16__)
+// libtorch_cpu's, what Vectorized<float>::exp() calls; weak: a torch without it takes torch's ops
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+
+// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+inline __m512 from_bf16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// silu(gate) * up for gu [T, 2 n] = (gate | up), bfloat16, as at::silu_ then at::mul compute it: silu in
+// float32, x / (1 + exp(-x)) with torch's vectorised exp, rounded to bfloat16; the product of the two
+// bfloat16 values (exact in float32) rounded once. n must be a multiple of 16 (the group kernel's inputs
+// are multiples of 32); rows split over the intra-op threads from 4 rows.
+at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
+  const int64_t T = gu.size(0);
+#if defined(__AVX512BF16__)
+  if (Sleef_expf16_u10 != nullptr && n % 16 == 0 && gu.is_contiguous()) {
+    auto m = at::empty({T, n}, gu.options());
+    const auto* pg = gu.data_ptr<at::BFloat16>();
+    auto* pm = m.data_ptr<at::BFloat16>();
+    const __m512 one = _mm512_set1_ps(1.f);
+    auto rows = [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < n; j += 16) {
+          const __m512 x = from_bf16(pg + t * 2 * n + j);
+          const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m256i s = to_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+          const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
+          const __m256i y = to_bf16(_mm512_mul_ps(sf, from_bf16(pg + t * 2 * n + n + j)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm + t * n + j), y);
+        }
+    };
+    if (T >= 4)
+      at::parallel_for(0, T, 1, rows);
+    else
+      rows(0, T);
+    return m;
+  }
+#endif
+  auto gate = gu.narrow(1, 0, n).clone();
+  at::silu_(gate);
+  return at::mul(gate, gu.narrow(1, n, n));
+}
+
 }  // namespace
 
 // One Llama decoder layer in bfloat16 with group-quantized linears (``GroupKernel``) and the float64
@@ -735,10 +789,7 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
   auto o = linear(a.view({T, H * D}), w[1], bits[1], n[1], grain, tile);
   auto hn2 = add_rms_norm(hn[0], o.view({B, Q, d}), ln[1], eps, vec);
   auto gu = linear(hn2[1].view({T, d}), w[2], bits[2], n[2], grain, tile);
-  auto gate = gu.narrow(1, 0, inter);
-  at::silu_(gate);
-  auto m = at::mul(gate, gu.narrow(1, inter, inter));
-  auto down = linear(m, w[3], bits[3], n[3], grain, tile);
+  auto down = linear(silu_mul(gu, inter), w[3], bits[3], n[3], grain, tile);
   return {hn2[0], down.view({B, Q, d})};
 }
 
@@ -1111,6 +1162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");
   m.def("group_gemm", &group_gemm, "x W^T for W in 4- or 8-bit groups of 32 (layers.quant.pack_groups), bfloat16");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2 n] bfloat16 (gate | up), as torch computes it");
   m.def("decoder_layer", &decoder_layer, "a Llama decoder layer, bfloat16, group-quantized linears, batch-invariant attention");
   m.def("group_gemm_available", &group_gemm_available, "whether this build has group_gemm");
 }

@@ -197,6 +197,20 @@ def test_norm_ops_equal_rms_norm_bit_for_bit(n):
 
 
 @needs_ext
+def test_silu_mul_equals_torch_for_every_bfloat16_gate():
+    """The decoder layer's silu(gate) * up against torch's ``F.silu`` then ``mul`` for all 65,536 bfloat16
+    bit patterns of the gate (NaNs, infinities and denormals included), alone and among other rows."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(64, 1024)
+    up = (torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    up[::7] = every[::7].flip(1)
+    got = ops.silu_mul(torch.cat([every, up], 1), 1024)
+    want = torch.mul(F.silu(every), up)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert torch.equal(ops.silu_mul(torch.cat([every[5:6], up[5:6]], 1), 1024), got[5:6])
+
+
+@needs_ext
 def test_rms_norm_module_differentiates_through_its_pytorch_path(monkeypatch):
     """A bfloat16 RMSNorm computes through the C++ op only where nothing is differentiated (the op has no
     backward): under autograd it takes its PyTorch path and the gradient flows."""
