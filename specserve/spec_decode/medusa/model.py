@@ -133,12 +133,14 @@ class MedusaHeads(nn.Module):
                 y = torch.ops.mkldnn._linear_pointwise(hidden, w, bias, "none", [], "")
             if y is not None:
                 K, d = self.cfg.num_heads, self.cfg.hidden_size
-                first = (hidden.unsqueeze(1) + F.silu(y.view(-1, K, d))).unbind(1)
+                first = hidden.unsqueeze(1) + F.silu(y.view(-1, K, d))  # [N, K, d]
+                if self.cfg.num_layers == 1:
+                    return first
         outs = []
-        for i, blocks in enumerate(self.blocks):
-            x = hidden if first is None else first[i]
-            for blk in blocks[0 if first is None else 1:]:
-                x = blk(x)
+        for i, blocks in enumerate(self.blocks):  # (indexing, not slicing: a slice builds a new container)
+            x = hidden if first is None else first[:, i]
+            for j in range(0 if first is None else 1, len(blocks)):
+                x = blocks[j](x)
             outs.append(x)
         return torch.stack(outs, dim=1)
 
