@@ -698,6 +698,8 @@ inline __m512 from_bf16(const at::BFloat16* p) {
 // bfloat16 values (exact in float32) rounded once. n must be a multiple of 16 (the group kernel's inputs
 // are multiples of 32); rows split over the intra-op threads from 4 rows.
 at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) == 2 * n && gu.scalar_type() == at::kBFloat16,
+              "silu_mul: gu must be [T, 2 n] bfloat16");
   const int64_t T = gu.size(0);
 #if defined(__AVX512BF16__)
   if (Sleef_expf16_u10 != nullptr && n % 16 == 0 && gu.is_contiguous()) {

@@ -111,8 +111,9 @@ inline void block_tile(const uint8_t* wb, int64_t groups, const at::BFloat16* x,
 // two values), so the 32 dependent adds of one group overlap those of the other fifteen.
 void group_sums(const at::BFloat16* x, int64_t M, int64_t K, float* xs) {
   const int64_t groups = K / kGroup;
-  const __m512i lane_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                        _mm512_set1_epi32(kGroup * 2));  // byte offset of each lane's group
+  const __m512i lane_at =  // byte offset of each lane's group
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(kGroup * 2));
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t i = 0; i < M; ++i) {
     const at::BFloat16* row = x + i * K;
