@@ -686,11 +686,6 @@ inline __m256i to_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
 }
-
-inline __m512 from_bf16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 #endif
 
 // silu(gate) * up for gu [T, 2 n] = (gate | up), bfloat16, as at::silu_ then at::mul compute it: silu in
@@ -710,11 +705,11 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
     auto rows = [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t j = 0; j < n; j += 16) {
-          const __m512 x = from_bf16(pg + t * 2 * n + j);
+          const __m512 x = reinterpret_cast<__m512>(load16(pg + t * 2 * n + j));
           const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
           const __m256i s = to_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
           const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
-          const __m256i y = to_bf16(_mm512_mul_ps(sf, from_bf16(pg + t * 2 * n + n + j)));
+          const __m256i y = to_bf16(_mm512_mul_ps(sf, reinterpret_cast<__m512>(load16(pg + t * 2 * n + n + j))));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm + t * n + j), y);
         }
     };

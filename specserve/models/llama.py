@@ -93,8 +93,8 @@ class LlamaDecoderLayer(nn.Module):
                 self._one_call = ()
             else:
                 self._one_call = ([self.input_layernorm.weight, self.post_attention_layernorm.weight],
-                                  [k.weight for k in ks], [k.bits for k in ks], [k.out_features for k in ks],
-                                  [at.h, at.hkv, at.d])
+                                  self.input_layernorm.eps, [k.weight for k in ks], [k.bits for k in ks],
+                                  [k.out_features for k in ks], [at.h, at.hkv, at.d], at.attn.scale)
         return self._one_call or None
 
     _one_call = None  # ``one_call``'s weights part, () where the layer does not qualify
@@ -106,10 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         bfloat16 add and the norm ``RMSNorm``'s (``specserve/csrc/cpu_ops.cpp``)."""
         ln = self.input_layernorm
         if (one := self.one_call(ops, ctx, cache)) is not None:
-            norms, weights, bits, n, heads = one
-            return ops.decoder_layer(h, x, norms, ln.eps, vec, weights, bits, n, heads, cos, sin, cache,
-                                     ctx.tables, ctx.write_idx, ctx.kv_len, ctx.mask, ctx.is_causal,
-                                     self.self_attn.attn.scale, cpu_ops.PARALLEL_WORK, GROUP_GRAIN, GROUP_TILE)
+            return decoder_layer_call(ops, one, vec, h, x, cos, sin, ctx, cache)
         if x is None:
             normed = ops.rms_norm(h, ln.weight, ln.eps, vec)
         else:
@@ -118,6 +115,14 @@ class LlamaDecoderLayer(nn.Module):
         ln = self.post_attention_layernorm
         h, normed = ops.add_rms_norm(h, a, ln.weight, ln.eps, vec)
         return h, self.mlp.forward(normed)
+
+
+def decoder_layer_call(ops, one: tuple, vec: int, h, x, cos, sin, ctx, cache):
+    """The C++ ``decoder_layer`` on a layer's ``one_call`` arguments and this forward's inputs."""
+    norms, eps, weights, bits, n, heads, scale = one
+    return ops.decoder_layer(h, x, norms, eps, vec, weights, bits, n, heads, cos, sin, cache, ctx.tables,
+                             ctx.write_idx, ctx.kv_len, ctx.mask, ctx.is_causal, scale, cpu_ops.PARALLEL_WORK,
+                             GROUP_GRAIN, GROUP_TILE)
 
 
 class LlamaModel(nn.Module):
@@ -164,18 +169,14 @@ class LlamaForCausalLM(nn.Module):
                 and (ops := cpu_ops.active()) is not None):
             # bfloat16 on CPU: each residual add fused into the norm after it (the same bits)
             vec, x = cpu_ops.norm_vec_width(), None
-            if (plan := self._one_call_plan(ops, ctx, caches)) is not None:  # every layer in one C++ call
-                for i, ((norms, eps, weights, bits, n, heads, scale), cache) in enumerate(zip(plan, caches)):
-                    h, x = ops.decoder_layer(h, x, norms, eps, vec, weights, bits, n, heads, cos, sin, cache,
-                                             ctx.tables, ctx.write_idx, ctx.kv_len, ctx.mask, ctx.is_causal, scale,
-                                             cpu_ops.PARALLEL_WORK, GROUP_GRAIN, GROUP_TILE)
-                    if aux_layers and i in aux_layers:
-                        kept[i] = h + x
-            else:
-                for i, layer in enumerate(self.model.layers):
+            plan = self._one_call_plan(ops, ctx, caches)  # every layer in one C++ call, or None
+            for i, layer in enumerate(self.model.layers):
+                if plan is not None:
+                    h, x = decoder_layer_call(ops, plan[i], vec, h, x, cos, sin, ctx, caches[i])
+                else:
                     h, x = layer.forward_fused(ops, vec, h, x, cos, sin, ctx, caches[i])
-                    if aux_layers and i in aux_layers:
-                        kept[i] = h + x
+                if aux_layers and i in aux_layers:
+                    kept[i] = h + x
             norm = self.model.norm
             return ops.add_rms_norm(h, x, norm.weight, norm.eps, vec)[1], [kept[i] for i in aux_layers]
         for i, layer in enumerate(self.model.layers):
@@ -184,23 +185,20 @@ class LlamaForCausalLM(nn.Module):
                 kept[i] = h
         return self.model.norm(h), [kept[i] for i in aux_layers]  # in the order asked for
 
-    _plan = None  # (ops, the first layer's _one_call, [each layer's decoder_layer arguments] or ())
+    _plan = None  # (ops, the first layer's _one_call, [each layer's one_call arguments] or ())
 
     def _one_call_plan(self, ops, ctx, caches) -> list | None:
-        """Each layer's ``decoder_layer`` arguments (``one_call``'s, its norm eps and attention scale)
-        where every layer computes in one call this forward, else None: the layers' loop without a
-        Python method call and a dozen attribute lookups a layer. What depends on the forward (the
-        cache, the mask, the ops switched on) is the same for every layer and checked on the first;
-        the rest is made once (again when the first layer's ``_one_call`` is made anew)."""
+        """Each layer's ``one_call`` arguments where every layer computes in one call this forward, else
+        None: the layers' loop without ``forward_fused``, ``one_call`` and a dozen attribute lookups a
+        layer. What depends on the forward (the cache, the mask, the ops switched on) is the same for
+        every layer and checked on the first; the rest is made once (again when the first layer's
+        ``_one_call`` is made anew)."""
         layers = self.model.layers
         if not len(layers) or layers[0].one_call(ops, ctx, caches[0]) is None:
             return None
         if self._plan is None or self._plan[0] is not ops or self._plan[1] is not layers[0]._one_call:
             ones = [layer.one_call(ops, ctx, cache) for layer, cache in zip(layers, caches)]
-            plan = () if any(o is None for o in ones) else [
-                (norms, layer.input_layernorm.eps, weights, bits, n, heads, layer.self_attn.attn.scale)
-                for layer, (norms, weights, bits, n, heads) in zip(layers, ones)]
-            self._plan = (ops, layers[0]._one_call, plan)
+            self._plan = (ops, layers[0]._one_call, () if any(o is None for o in ones) else ones)
         return self._plan[2] or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
