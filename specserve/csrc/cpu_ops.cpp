@@ -1150,6 +1150,68 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
   return {tok, par, score};
 }
 
+namespace {
+
+// the first index of the largest of x[0 .. n) (n >= 1), or of its first NaN (torch.argmax's rule): four
+// independent 16-lane maxima, each lane keeping the block where its maximum first came (strict >)
+int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t nv = n / 64 * 64;
+  v16s best[4];
+  v16n at[4] = {}, nan = v16n{};
+  for (int a = 0; a < 4; ++a) best[a] = v16s{} - __builtin_inff();
+  for (int64_t i = 0; i < nv; i += 64) {
+    for (int a = 0; a < 4; ++a) {
+      const v16s v = lanes16(x + i + 16 * a);
+      const v16n gt = v > best[a];
+      nan |= v != v;
+      best[a] = gt ? v : best[a];
+      at[a] = gt ? v16n{} + static_cast<int32_t>(i) : at[a];
+    }
+  }
+  float m = -__builtin_inff();
+  int64_t idx = 0;
+  bool any_nan = false;
+  for (int j = 0; j < 16; ++j) any_nan |= nan[j] != 0;
+  if (nv > 0) {
+    for (int a = 0; a < 4; ++a)
+      for (int j = 0; j < 16; ++j) m = best[a][j] > m ? best[a][j] : m;
+    idx = n;
+    for (int a = 0; a < 4; ++a)  // the first index holding m
+      for (int j = 0; j < 16; ++j)
+        if (best[a][j] == m) idx = std::min<int64_t>(idx, at[a][j] + 16 * a + j);
+  }
+  for (int64_t i = nv; i < n; ++i) {
+    if (x[i] != x[i]) {
+      any_nan = true;
+      break;
+    }
+    if (x[i] > m) {
+      m = x[i];
+      idx = i;
+    }
+  }
+  if (any_nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] != x[i]) return i;
+  }
+  return idx;
+}
+
+}  // namespace
+
+// torch.argmax(x, -1) of float32 x [A, R, n] whose rows are contiguous (any other strides) -> [A, R] int64
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(2) >= 1 && x.stride(2) == 1,
+              "argmax_rows: x must be [A, R, n >= 1] float32 with contiguous rows");
+  const int64_t A = x.size(0), R = x.size(1), n = x.size(2);
+  auto out = at::empty({A, R}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t r = 0; r < R; ++r) po[a * R + r] = argmax_row(px + a * x.stride(0) + r * x.stride(1), n);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
@@ -1160,6 +1222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight, bfloat16");
   m.def("group_gemm", &group_gemm, "x W^T for W in 4- or 8-bit groups of 32 (layers.quant.pack_groups), bfloat16");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2 n] bfloat16 (gate | up), as torch computes it");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 [A, R, n] with contiguous rows");
   m.def("decoder_layer", &decoder_layer, "a Llama decoder layer, bfloat16, group-quantized linears, batch-invariant attention");
   m.def("group_gemm_available", &group_gemm_available, "whether this build has group_gemm");
 }

@@ -12,7 +12,7 @@ import torch
 
 from specserve.sample.coupled import coupled_tokens, verify_chain_coupled, verify_tree_coupled
 from specserve.sample.rejection_sampler import PLACEHOLDER, rejection_sample
-from specserve.sample.sampler import SamplingBatch, sample
+from specserve.sample.sampler import SamplingBatch, argmax, sample
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy, verify_tree_sample
 from specserve.spec_decode.proposer import TreeDraft
 
@@ -107,41 +107,55 @@ class Verifier:
                logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
         """Per sequence: (emitted tokens: accepted drafts + one target token, indices of the new
         positions now kept in the cache)."""
-        sb = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+        def batch(rows: list[int]) -> SamplingBatch:  # sampling tensors, made only for rows that draw
+            return SamplingBatch.build([seqs[b].params for b in rows], [seqs[b].generator for b in rows], logits.device)
+
         results: list = [None] * len(seqs)
-        chain_rows = []
+        greedy_rows, chain_rows = [], []
         for b, s in enumerate(seqs):
             tree = drafts.trees[b]
             if tree is None and drafts.chains[b] and self.lossy_verify is not None and not s.params.greedy:
                 tree = TreeDraft([s.output_ids[-1]] + drafts.chains[b], path_tree(len(drafts.chains[b])))
             if tree is not None:
-                results[b] = self._tree(b, s, tree, logits, sb, starts[b])
+                results[b] = self._tree(b, s, tree, logits, batch, starts[b])
+            elif s.params.greedy:
+                greedy_rows.append(b)
             elif self.coupled(s):
-                emitted = verify_chain_coupled(drafts.chains[b], logits[b], sb.subset([b]), s.seed, len(s.all_ids))
+                emitted = verify_chain_coupled(drafts.chains[b], logits[b], batch([b]), s.seed,
+                                               len(s.all_ids))
                 results[b] = (emitted, list(range(len(emitted))))
             else:
                 chain_rows.append(b)
+        if greedy_rows:  # the target's argmax after each draft, drafts kept while they match it
+            n = 1 + max(len(drafts.chains[b]) for b in greedy_rows)
+            rows = logits[:, :n] if len(greedy_rows) == len(seqs) else logits[greedy_rows, :n]
+            for b, am in zip(greedy_rows, argmax(rows).tolist()):
+                chain, k = drafts.chains[b], 0
+                while k < len(chain) and chain[k] == am[k]:
+                    k += 1
+                results[b] = (am[: k + 1], list(range(k + 1)))
         if chain_rows:  # rejection sampling (vLLM's semantics), the chain rows together
             maxk = max(len(drafts.chains[b]) for b in chain_rows)
             dp = drafts.draft_probs[chain_rows, :maxk] if drafts.draft_probs is not None else None
             res = rejection_sample([drafts.chains[b] for b in chain_rows], dp, logits[chain_rows, : maxk + 1],
-                                   sb.subset(chain_rows) if len(chain_rows) < len(seqs) else sb).tolist()
+                                   batch(chain_rows)).tolist()
             for b, row in zip(chain_rows, res):
                 kept = [t for t in row if t != PLACEHOLDER]
                 results[b] = (kept, list(range(len(kept))))
         return results
 
-    def _tree(self, b, s, t: TreeDraft, logits, sb, start):
+    def _tree(self, b, s, t: TreeDraft, logits, batch, start):
+        """Row ``b``'s tree; ``batch(rows)``: the ``SamplingBatch`` of those rows (made when a row draws)."""
         n = len(t.tokens)
         tok = torch.tensor(t.tokens, dtype=torch.long)
         if s.params.greedy:
             nodes, extra = verify_tree_greedy(tok, logits[b, :n], t.buffers)
         elif self.coupled(s):
-            nodes, extra = verify_tree_coupled(tok, logits[b, :n], t.buffers, sb.subset([b]), s.seed, len(s.all_ids))
+            nodes, extra = verify_tree_coupled(tok, logits[b, :n], t.buffers, batch([b]), s.seed, len(s.all_ids))
         elif self.lossy_verify is not None:
             nodes, extra = self.lossy_verify(t.tokens, logits[b, :n], t.buffers, s.params, s.generator)
         else:
-            nodes, extra = verify_tree_sample(tok, logits[b, :n], t.buffers, sb.subset([b]), s.generator)
+            nodes, extra = verify_tree_sample(tok, logits[b, :n], t.buffers, batch([b]), s.generator)
         if nodes != list(range(len(nodes))):  # keep the accepted path's K/V, contiguous
             self.compact(b, [start + i for i in nodes], start)
         return [t.tokens[i] for i in nodes[1:]] + [int(extra)], nodes

@@ -2,8 +2,10 @@
 attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
 the AVX-512 BF16 kernel is built, float64 otherwise and for float32 rows), the fused residual add +
 RMSNorm, a whole decoder layer of a quantized model in one call, the DSpark drafter's candidate search
-(``softmax_topk`` per depth, ``tree_search`` for a whole tree), and (``specserve/csrc/quant_gemm.cpp``,
-AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights (``layers.quant.GroupKernel``).
+(``softmax_topk`` per depth, ``tree_search`` for a whole tree), torch's
+``argmax`` in one pass a row (``argmax``: the greedy token of every verification), and
+(``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights
+(``layers.quant.GroupKernel``).
 
 Built with ``torch.utils.cpp_extension.load`` on first use (~40 s) into the specserve cache
 (``cache_root() / "torch_ext"``), so later processes load it at once. ``-O3 -fopenmp`` (the ops'
@@ -120,6 +122,20 @@ def get():
                                    type(e).__name__, last)
             _state["ops"] = ops
     return _state["ops"]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, the same indices (torch's rule: the first of the largest, the first NaN where
+    there is one), in one pass a row through the extension where it applies (float32 CPU rows stored
+    contiguously, at most 3 dimensions)."""
+    ops = (active() if x.device.type == "cpu" and x.dtype == torch.float32 and 1 <= x.dim() <= 3
+           and x.shape[-1] > 0 and x.stride(-1) == 1 else None)
+    if ops is None:
+        return x.argmax(-1)
+    lead = x.shape[:-1]
+    while x.dim() < 3:
+        x = x.unsqueeze(0)
+    return ops.argmax_rows(x).view(lead)
 
 
 def active():

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf
+from specserve.sample.sampler import SamplingBatch, argmax, filtered_logits, inverse_cdf
 from specserve.sample.tree import TreeBuffers
 
 _MASK = (1 << 64) - 1
@@ -50,7 +50,7 @@ def coupled_tokens(logits: torch.Tensor, sb_row: SamplingBatch, seed: int, posit
     """The target's tokens at ``positions``: logits [n, V] of one request (``sb_row``: its one row) ->
     ``inverse_cdf(p, u(seed, position))`` for each of the n rows (argmax for a greedy request)."""
     if bool(sb_row.greedy[0]):
-        return logits.argmax(-1).tolist()
+        return argmax(logits).tolist()
     n = logits.shape[0]
     probs = filtered_logits(logits.float(), sb_row.repeat([n]) if n > 1 else sb_row).softmax(-1)
     u = torch.tensor([position_uniform(seed, t) for t in positions], dtype=torch.float64)

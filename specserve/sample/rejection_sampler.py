@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, uniforms
+from specserve.sample.sampler import SamplingBatch, argmax, filtered_logits, inverse_cdf, uniforms
 
 PLACEHOLDER = -1
 
@@ -159,7 +159,7 @@ def rejection_sample(
 def _greedy_rows(target_logits, drafts, in_chain, cols, out):
     """Greedy verification: no softmax, just the argmax of the raw logits."""
     M = drafts.shape[1]
-    am = target_logits.argmax(-1)  # [B, M + 1]
+    am = argmax(target_logits)  # [B, M + 1]
     if M > 0:
         match = (drafts == am[:, :M]) & in_chain
         n_acc = match.long().cumprod(1).sum(1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SamplingParams
+from specserve.layers.cpu_ops import argmax
 
 
 @dataclass
@@ -122,7 +123,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (long)."""
-    greedy_tokens = logits.argmax(-1)
+    greedy_tokens = argmax(logits)
     if sb.all_greedy:
         return greedy_tokens
     rows = [i for i, g in enumerate(sb.greedy.tolist()) if not g]  # greedy rows draw no randomness

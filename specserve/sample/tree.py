@@ -25,7 +25,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, uniforms
+from specserve.sample.sampler import SamplingBatch, argmax, filtered_logits, inverse_cdf, uniforms
 
 __all__ = ["TreeBuffers", "TreeCache", "verify_tree_greedy", "verify_tree_sample", "tree_tokens_from_candidates"]
 
@@ -203,7 +203,7 @@ def verify_tree_greedy(tree_tokens: torch.Tensor, target_logits: torch.Tensor,
     at the last accepted node. The emitted tokens are ``tree_tokens[accepted[1:]] + [next_token]``.
     """
     _check(tree_tokens, target_logits, buffers)
-    am = target_logits.argmax(-1).tolist()
+    am = argmax(target_logits).tolist()
     toks = tree_tokens.tolist()
     parents, depth = buffers.parents, buffers._depth_list
     ok = [True] + [False] * (len(parents) - 1)

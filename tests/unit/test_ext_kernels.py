@@ -211,6 +211,33 @@ def test_silu_mul_equals_torch_for_every_bfloat16_gate():
 
 
 @needs_ext
+@pytest.mark.parametrize("n", [1, 15, 16, 63, 64, 65, 130, 49152])
+def test_argmax_equals_torch_argmax(n):
+    """``cpu_ops.argmax`` (the greedy token of every verification) against ``torch.argmax``: the first of
+    equal maxima wherever they fall (a lane, a block of 64, the tail), the first NaN, rows of -inf, -0.0
+    beside 0.0, rows read through a stride (a slice of longer rows)."""
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=g), torch.randint(0, 3, (n,), generator=g).float(),
+            torch.full((n,), float("-inf")), torch.zeros(n)]
+    for at in sorted({0, n // 3, n // 2, n - 1}):
+        r = torch.randn(n, generator=g)
+        r[at] = float("nan")
+        rows.append(r)
+        r = torch.randn(n, generator=g)
+        r[at] = r.max() + 1
+        r[(at * 7 + 5) % n :] = r[at]  # equal maxima after the first
+        rows.append(r)
+        r = torch.zeros(n)
+        r[at] = -0.0
+        rows.append(r)
+    x = torch.stack(rows)
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))
+    assert torch.equal(cpu_ops.argmax(x[3]), x[3].argmax(-1))
+    wide = torch.cat([x, torch.full((len(rows), 5), 1e30)], 1).view(1, len(rows), n + 5)[..., :n]  # strided
+    assert torch.equal(cpu_ops.argmax(wide), x.argmax(-1).view(1, -1))
+
+
+@needs_ext
 def test_rms_norm_module_differentiates_through_its_pytorch_path(monkeypatch):
     """A bfloat16 RMSNorm computes through the C++ op only where nothing is differentiated (the op has no
     backward): under autograd it takes its PyTorch path and the gradient flows."""

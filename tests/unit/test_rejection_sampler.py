@@ -84,6 +84,38 @@ def test_greedy_rows_in_mixed_batch(case):
     assert n >= 1 and all(0 <= t < V for t in row[:n]) and all(t == PLACEHOLDER for t in row[n:])
 
 
+@pytest.mark.parametrize("sampling_mode", ["rejection", "coupled"])
+def test_engine_verifier_greedy_chains_match_the_sampler(sampling_mode):
+    """The engine's ``Verifier`` checks greedy chain rows itself (one argmax, no sampling tensors): every
+    greedy table's rows give what ``rejection_sample`` gives them, with random rows in the same batch
+    (theirs: what they get alone), and NaN logits past a row's bonus position do not matter."""
+    from types import SimpleNamespace
+
+    from specserve.engine.verify import Drafts, Verifier
+
+    for case, (drafts, targets, expected) in GREEDY_CASES.items():
+        width = max(len(d) for d in drafts) + 1
+        V = 16
+        logits = onehot_logits(targets, width, V)
+        for b, d in enumerate(drafts):
+            logits[b, len(d) + 1:] = float("nan")
+        extra = torch.randn(2, width, V, generator=torch.Generator().manual_seed(1))
+        greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)
+        params = [hot] + [greedy] * len(drafts) + [hot]
+        chains = [[0] * (width - 1)] + drafts + [[2] * (width - 1)]
+        seqs = [SimpleNamespace(params=p, generator=torch.Generator().manual_seed(7 + b), seed=3, all_ids=[1, 2],
+                                output_ids=[2]) for b, p in enumerate(params)]
+        out = Verifier(sampling_mode, None, None).verify(seqs, Drafts(chains, [None] * len(chains)),
+                                                         [0] * len(chains), torch.cat([extra[:1], logits, extra[1:]]))
+        want = [[t for t in row if t != PLACEHOLDER] for row in expected]
+        assert [e for e, _ in out[1:-1]] == want, case
+        assert [k for _, k in out[1:-1]] == [list(range(len(w))) for w in want], case
+        alone = [Verifier(sampling_mode, None, None).verify(
+            [SimpleNamespace(**{**vars(seqs[b]), "generator": torch.Generator().manual_seed(7 + b)})],
+            Drafts([chains[b]], [None]), [0], extra[i : i + 1])[0] for i, b in ((0, 0), (1, len(seqs) - 1))]
+        assert [out[0], out[-1]] == alone, case
+
+
 def test_greedy_ignores_logits_past_bonus():
     # row 1 has 1 draft; its positions 2.. hold NaN and must not matter
     logits = onehot_logits([[1, 2, 3], [4, 5, 0]], 3)
