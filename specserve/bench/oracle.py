@@ -5,7 +5,7 @@ It is computed, not run: it is fed plain decoding's output of each prompt (the `
 target's own answer) and replays decoding it step by step, as the engine would with a drafter: at
 each step the context is the prompt plus the answer so far; every earlier occurrence of the context's
 last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) offers the tokens that
-followed it (``ngram.proposer.ngram_candidates``), at most ``num_speculative_tokens`` and no more than
+followed it (``ngram.proposer.NgramIndex``), at most ``num_speculative_tokens`` and no more than
 the request has room for; the oracle keeps the offer that the answer accepts longest, so the step
 emits its accepted tokens plus one. With ``choose="recent"`` the replay keeps the most recent longest
 match instead, which is what the ``ngram`` drafter proposes: the replay of that rule gives the engine's
@@ -17,11 +17,9 @@ keys are the n-gram drafter's (``--speculative-config 'NAME={"method": "ngram-or
 
 from __future__ import annotations
 
-import torch
-
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.spec_decode.ngram.config import NgramOptions
-from specserve.spec_decode.ngram.proposer import ngram_candidates
+from specserve.spec_decode.ngram.proposer import NgramIndex
 from specserve.spec_decode.options import parse_options
 
 METHOD = "ngram-oracle"
@@ -42,16 +40,15 @@ def replay_ngram(prompt: list[int], output: list[int], max_tokens: int, opts: Ng
     if choose not in ("oracle", "recent"):
         raise ValueError(f"choose must be 'oracle' or 'recent', got {choose!r}")
     m = SpecMetrics()
+    index = NgramIndex(opts.prompt_lookup_max, opts.prompt_lookup_min)
     t = 1  # the first token comes from the prefill
     while t < len(output):
         k = min(opts.num_speculative_tokens, max(0, max_tokens - t - 1))  # the engine's room
         truth = output[t:]
         offers = []
         if k:
-            ids = torch.tensor(prompt + output[:t], dtype=torch.long)
             limit = 1 if choose == "recent" else 1 << 30
-            offers = [c for c, _ in ngram_candidates(ids, k, limit, None, opts.prompt_lookup_max,
-                                                     opts.prompt_lookup_min)]
+            offers = [c for c, _ in index.update(prompt + output[:t]).candidates(k, limit)]
         best = max(offers, key=lambda c: accepted_prefix(c, truth), default=[])
         accepted = accepted_prefix(best, truth)
         m.record(len(best), accepted)

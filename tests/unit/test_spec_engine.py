@@ -11,7 +11,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.model_runner import ModelRunner
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy
 from specserve.spec_decode import PROPOSERS, Proposal, Proposer, TreeDraft
-from specserve.spec_decode.ngram.proposer import ngram_propose
+from specserve.spec_decode.ngram.proposer import NgramIndex, NgramPool, ngram_propose
 from specserve.spec_decode.options import option
 
 PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
@@ -23,6 +23,40 @@ def test_ngram_propose():
     assert ngram_propose(ids, 2, 4, 3) == []  # no earlier [3, 1, 2]... -> nothing at n >= 3
     assert ngram_propose(torch.tensor([5, 6, 5]), 4, 2, 1) == [6, 5]
     assert ngram_propose(torch.tensor([5]), 4, 2, 1) == []
+
+
+def _scan_candidates(ids: list[int], k: int, limit: int, pool, n_max: int, n_min: int) -> list[tuple[list[int], int]]:
+    """The n-gram branches' rule read off a scan of the whole sequence at every n (the reference)."""
+    out, L = [], len(ids)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = ids[L - n :]
+        found = [ids[h + n : h + n + k] for h in range(L - n - 1, -1, -1) if ids[h : h + n] == suffix]
+        for tokens in found + (pool.continuations(suffix, k) if pool is not None else []):
+            if tokens and not any(c[: len(tokens)] == tokens for c, _ in out):
+                out.append((tokens, n))
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def test_ngram_index_grown_step_by_step_finds_what_a_scan_finds():
+    """``NgramIndex`` updated as a sequence grows (a few tokens a step, as decoding appends them) offers
+    the continuations a scan of the whole sequence offers, in the same order, pool included; a sequence
+    that is not the indexed one grown is indexed anew."""
+    g = torch.Generator().manual_seed(0)
+    pool = NgramPool()
+    for _ in range(3):
+        pool.add(torch.randint(0, 5, (60,), generator=g).tolist())
+    for n_max, n_min in ((4, 1), (3, 2)):
+        seq = torch.randint(0, 5, (300,), generator=g).tolist()
+        index, L = NgramIndex(n_max, n_min), 0
+        while L < len(seq):
+            L += 1 + int(torch.randint(0, 4, (1,), generator=g))
+            for k, limit, p in ((12, 3, pool), (5, 1, None), (3, 8, None)):
+                assert index.update(seq[:L]).candidates(k, limit, p) == _scan_candidates(seq[:L], k, limit, p,
+                                                                                         n_max, n_min), L
+        for other in ([4, 4, 1, 2, 4, 4, 1], [(t + 1) % 5 for t in seq] + [1, 2]):  # shorter; longer, not grown
+            assert index.update(other).candidates(9, 8) == _scan_candidates(other, 9, 8, None, n_max, n_min)
 
 
 def chi2_critical(dof: int, alpha_z: float = 3.09) -> float:

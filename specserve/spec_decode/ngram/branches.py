@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
 from specserve.sample.tree import TreeCache
 from specserve.spec_decode.cost_model import sampling_key
 from specserve.spec_decode.ngram.config import NgramBranchOptions
-from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
+from specserve.spec_decode.ngram.proposer import NgramIndex, NgramPool
 from specserve.spec_decode.options import parse_options
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 from specserve.spec_decode.tree_select import BranchDraft, graft
@@ -102,6 +101,7 @@ class NgramBranches(Proposer):
         self._trees = TreeCache.by_parents()  # grafted shapes recur
         self._offered: dict[int, list[tuple[list[int], tuple]]] = {}  # seq_id -> [(tokens, acceptance key)]
         self._own: dict[int, int | None] = {}  # seq_id -> the drafter's own nodes of its last draft tree
+        self._index: dict[int, NgramIndex] = {}  # seq_id -> its n-grams, kept up to date step by step
         self.branch_tokens = self.branch_wins = 0
 
     # the drafter's own attributes, as the engine reads them
@@ -124,6 +124,7 @@ class NgramBranches(Proposer):
         self.inner.forget(seq)
         self._offered.pop(seq.seq_id, None)
         self._own.pop(seq.seq_id, None)
+        self._index.pop(seq.seq_id, None)
         if seq.finished and self.pool is not None:  # a finished answer serves later requests
             self.pool.add(seq.all_ids)
 
@@ -132,8 +133,8 @@ class NgramBranches(Proposer):
         k = min(self.opts.ngram_branch, room)
         if not k:
             return []
-        ids = torch.tensor(seq.all_ids, dtype=torch.long)
-        found = ngram_candidates(ids, k, self.opts.ngram_candidates, self.pool)
+        index = self._index.setdefault(seq.seq_id, NgramIndex())
+        found = index.update(seq.all_ids).candidates(k, self.opts.ngram_candidates, self.pool)
         key = sampling_key(seq.params)
         return [(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
 

@@ -12,7 +12,7 @@ from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 
 
 def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int]:
-    """ids: 1-D long tensor of the whole sequence. Returns up to k tokens that followed the most recent
+    """ids: the whole sequence (a list or 1-D tensor). Returns up to k tokens that followed the most recent
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that has one."""
     found = ngram_candidates(ids, k, 1, None, n_max, n_min)
     return found[0][0] if found else []
@@ -75,33 +75,62 @@ class NgramPool:
         return out
 
 
-def ngram_candidates(ids: torch.Tensor, k: int, limit: int, pool: NgramPool | None = None,
-                     n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN) -> list[tuple[list[int], int]]:
-    """Up to ``limit`` distinct continuations (each up to k tokens) of the sequence ``ids`` (1-D long
-    tensor), as (tokens, n): for n from ``n_max`` down, the tokens that followed the sequence's last n
-    tokens earlier in itself (most recent first), then in ``pool``'s earlier sequences. A candidate
-    that is a prefix of an earlier one adds nothing and is skipped."""
-    L = ids.numel()
-    out: list[tuple[list[int], int]] = []
-    if k <= 0 or limit <= 0:
+class NgramIndex:
+    """One sequence's n-grams (n from ``n_min`` to ``n_max``) with where each occurred, kept up to date as
+    the sequence grows (``update``), so that a step's lookup (``candidates``) reads a few dict entries
+    instead of scanning the whole sequence. A sequence that is not the indexed one grown (another, or a
+    shorter one) is indexed anew."""
+
+    def __init__(self, n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN):
+        self.n_max, self.n_min = int(n_max), int(n_min)
+        self.ids: list[int] = []
+        self._starts: dict[tuple, list[int]] = {}  # n-gram -> starts of its earlier occurrences, ascending
+
+    def update(self, ids) -> "NgramIndex":
+        """Index ``ids`` (a list or 1-D tensor of the whole sequence): an n-gram is listed once a token
+        follows it."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        m = len(self.ids)
+        if len(ids) < m or ids[:m] != self.ids:
+            self.ids, self._starts, m = [], {}, 0
+        L = len(ids)
+        for n in range(self.n_min, self.n_max + 1):
+            for h in range(max(0, m - n), L - n):  # windows ending before the last token, new ones only
+                self._starts.setdefault(tuple(ids[h : h + n]), []).append(h)
+        self.ids = ids
+        return self
+
+    def candidates(self, k: int, limit: int, pool: "NgramPool | None" = None) -> list[tuple[list[int], int]]:
+        """Up to ``limit`` distinct continuations (each up to k tokens) of the indexed sequence, as
+        (tokens, n): for n from ``n_max`` down, the tokens that followed its last n tokens earlier in
+        itself (most recent first), then in ``pool``'s earlier sequences. A candidate that is a prefix of
+        an earlier one adds nothing and is skipped."""
+        ids, L = self.ids, len(self.ids)
+        out: list[tuple[list[int], int]] = []
+        if k <= 0 or limit <= 0:
+            return out
+
+        def offer(tokens: list[int], n: int) -> bool:
+            if tokens and not any(c[: len(tokens)] == tokens for c, _ in out):
+                out.append((tokens, n))
+            return len(out) >= limit
+
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            suffix = tuple(ids[L - n :])
+            for h in reversed(self._starts.get(suffix, ())):
+                if offer(ids[h + n : h + n + k], n):
+                    return out
+            if pool is not None:
+                for tokens in pool.continuations(list(suffix), k):
+                    if offer(tokens, n):
+                        return out
         return out
 
-    def offer(tokens: list[int], n: int) -> bool:
-        if tokens and not any(c[: len(tokens)] == tokens for c, _ in out):
-            out.append((tokens, n))
-        return len(out) >= limit
 
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = ids[L - n :]
-        hits = (ids[: L - 1].unfold(0, n, 1) == suffix).all(1).nonzero().flatten().tolist()
-        for h in reversed(hits):
-            if offer(ids[h + n : h + n + k].tolist(), n):
-                return out
-        if pool is not None:
-            for tokens in pool.continuations(suffix.tolist(), k):
-                if offer(tokens, n):
-                    return out
-    return out
+def ngram_candidates(ids, k: int, limit: int, pool: NgramPool | None = None,
+                     n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN) -> list[tuple[list[int], int]]:
+    """``NgramIndex.candidates`` of the sequence ``ids`` (a list or 1-D tensor), indexed for this one call."""
+    return NgramIndex(n_max, n_min).update(ids).candidates(k, limit, pool)
 
 
 class NgramProposer(Proposer):
@@ -112,10 +141,15 @@ class NgramProposer(Proposer):
     def __init__(self, opts: NgramOptions):
         self.num_speculative_tokens = opts.num_speculative_tokens
         self.n_max, self.n_min = opts.prompt_lookup_max, opts.prompt_lookup_min
+        self._index: dict[int, NgramIndex] = {}  # seq_id -> its n-grams, kept up to date step by step
+
+    def forget(self, seq) -> None:
+        self._index.pop(seq.seq_id, None)
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         chains = []
         for seq, k in zip(inputs.seqs, inputs.max_drafts):
-            ids = torch.tensor(seq.all_ids, dtype=torch.long)
-            chains.append(ngram_propose(ids, min(k, self.num_speculative_tokens), self.n_max, self.n_min))
+            index = self._index.setdefault(seq.seq_id, NgramIndex(self.n_max, self.n_min))
+            found = index.update(seq.all_ids).candidates(min(k, self.num_speculative_tokens), 1)
+            chains.append(found[0][0] if found else [])
         return Proposal(chains)
