@@ -1,8 +1,8 @@
 """The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
 attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
 the AVX-512 BF16 kernel is built, float64 otherwise and for float32 rows), the fused residual add +
-RMSNorm, a whole decoder layer of a quantized model in one call, the DSpark drafter's candidate search
-(``softmax_topk`` per depth, ``tree_search`` for a whole tree), torch's
+RMSNorm, a whole decoder layer of a quantized model in one call, the drafters' candidate search
+(``softmax_topk``: Medusa's heads, DSpark per depth; ``tree_search``: a whole DSpark tree), torch's
 ``argmax`` in one pass a row (``argmax``: the greedy token of every verification), and
 (``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights
 (``layers.quant.GroupKernel``).
@@ -136,6 +136,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     while x.dim() < 3:
         x = x.unsqueeze(0)
     return ops.argmax_rows(x).view(lead)
+
+
+def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most probable tokens of ``softmax((base + bias) / scale)``, best first: base [B, V]
+    float32, bias None or [B, W, V] (promoted to float32 exactly), scale None or [B, 1, 1] -> (probabilities,
+    ids) [B, W or 1, k]. One pass per row in the C++ op on CPU (``cpu_ops``; ties go to the lower id, the
+    probabilities to float32 rounding), else PyTorch's softmax and topk. They only rank candidates:
+    verification is exact either way."""
+    ops = active() if base.device.type == "cpu" and base.dtype == torch.float32 else None
+    if ops is not None and (bias is None or bias.dtype in (torch.float32, torch.bfloat16)):
+        return tuple(ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k))
+    logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
+    return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
 
 
 def active():

@@ -261,6 +261,9 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
             type("S", (), {"params": SamplingParams(temperature=0.5)})()]
     want = torch.softmax(z / (torch.tensor([1.0, 0.5]).view(-1, 1, 1) * torch.tensor(temps).view(1, -1, 1)), -1)
     assert torch.allclose(prop._probs(z, seqs), want)
+    top_p, top_i = prop._top_probs(z, seqs)  # the dynamic trees' candidates (one pass a head on CPU)
+    assert torch.equal(top_i, want.topk(prop.topk, dim=-1).indices)
+    assert torch.allclose(top_p, want.topk(prop.topk, dim=-1).values)
     assert after["training"]["heldout_evaluated_by"]["command"] == "specserve " + " ".join(argv)
     readme = (out / "README.md").read_text()
     assert "recomputed after training" in readme and "Greedy decoding, replayed" in readme

@@ -201,7 +201,7 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         if markov is not None:
             bias, state, emb = markov.step(prev.reshape(-1), h, state)
             bias = bias.view(B, W, V)
-        top_q, top_i = softmax_topk(base[:, k], bias, scale, kk)
+        top_q, top_i = cpu_ops.softmax_topk(base[:, k], bias, scale, kk)
         top_q, top_i = top_q.expand(B, W, kk), top_i.expand(B, W, kk)  # no bias: every node's children alike
         factor = top_q  # [B, W, kk]
         if confidence_head is not None and any(is_greedy):
@@ -252,20 +252,6 @@ def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy
         depth += [k + 1] * (W * kk)
         W = min(beam, W * kk)
     return DraftTree(tok if to_target is None else to_target[tok], par, torch.tensor(depth, dtype=torch.long), score)
-
-
-def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most probable tokens of ``softmax((base + bias) / scale)``, best first: base [B, V]
-    float32, bias None or [B, W, V] (promoted to float32 exactly), scale None or [B, 1, 1] -> (probabilities,
-    ids) [B, W or 1, k]. One pass per row in the C++ op on CPU (``cpu_ops``; ties go to the lower id, the
-    probabilities to float32 rounding), else PyTorch's softmax and topk. They only rank candidates:
-    verification is exact either way."""
-    ops = cpu_ops.active() if base.device.type == "cpu" and base.dtype == torch.float32 else None
-    if ops is not None and (bias is None or bias.dtype in (torch.float32, torch.bfloat16)):
-        return tuple(ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k))
-    logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
-    return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,

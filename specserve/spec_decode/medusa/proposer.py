@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.layers import cpu_ops
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.layers.packing import pack_linears
 from specserve.sample.sampler import inverse_cdf, uniforms
@@ -263,6 +264,15 @@ class MedusaProposer(ModelDrafter):
         t = t.view(-1, 1, 1) * self.head_temperatures[: logits.shape[1]].view(1, -1, 1)
         return torch.softmax(logits.float() / t, dim=-1)
 
+    def _top_probs(self, logits: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_probs``' ``medusa_topk`` largest probabilities of each head and their indices, [B, k, topk]
+        each (one pass a head and request through ``cpu_ops.softmax_topk`` on CPU)."""
+        B, K, V = logits.shape
+        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=logits.device)
+        t = t.view(-1, 1) * self.head_temperatures[:K].view(1, -1)
+        probs, idx = cpu_ops.softmax_topk(logits.reshape(B * K, V).float(), None, t.view(-1, 1, 1), self.topk)
+        return probs.view(B, K, -1), idx.view(B, K, -1)
+
     def path_probs(self, top_probs: torch.Tensor) -> torch.Tensor:
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
         [B, P]: the product of the probabilities its heads give each candidate path's tokens."""
@@ -294,7 +304,7 @@ class MedusaProposer(ModelDrafter):
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
         D = self._candidates["ranks"].shape[1]
-        top_p, top_i = self._probs(logits[:, :D], seqs).topk(self.topk, dim=-1)
+        top_p, top_i = self._top_probs(logits[:, :D], seqs)
         top = self.heads.to_target(top_i)  # [B, D, topk] target ids
         raw = self.path_probs(top_p)
         score, order = self.path_scores(raw, max_drafts, seqs)
