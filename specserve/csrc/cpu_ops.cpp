@@ -808,6 +808,17 @@ inline v16s exp16(v16s x) {
   return x < -87.0f ? v16s{} : p * scale;
 }
 
+// whether any lane of a comparison's result is set (one mask test where AVX-512 is built)
+inline bool any_lane(v16n m) {
+#if defined(__AVX512BF16__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
+  bool any = false;
+  for (int j = 0; j < 16; ++j) any |= m[j] != 0;
+  return any;
+#endif
+}
+
 // l (index idx) into the k best so far, topv / topi (best first): after every entry >= l, so a tie keeps
 // the entry that came first
 inline void insert_top(float* topv, int64_t* topi, int64_t k, float l, int64_t idx) {
@@ -830,10 +841,7 @@ double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, i
     v16s x;
     std::memcpy(&x, l + v, sizeof(x));
     sum += exp16(x - m);
-    const v16n over = x > topv[k - 1];
-    bool any = false;
-    for (int j = 0; j < 16; ++j) any |= over[j] != 0;
-    if (!any) continue;
+    if (!any_lane(x > topv[k - 1])) continue;
     for (int j = 0; j < 16; ++j) insert_top(topv, topi, k, x[j], idx0 + v + j);
   }
   double total = 0.0;
@@ -968,15 +976,37 @@ struct ChunkTop {
   std::vector<int64_t> i;
 };
 
+// the logits (base + W2 emb_w) / t of WT nodes (emb: theirs, r each) at draft ids v .. v + 15 into
+// buf[w * n + (v - v0)], and their running maxima mx[w]: W2 read once for the WT nodes, whose sums stay
+// in registers (each node's products added in the order of j)
+template <int WT, typename T>
+inline void node_logits16(v16s b, const T* blk, const float* emb, int64_t r, int64_t v, int64_t V, int64_t v0,
+                          float t, float* buf, int64_t n, v16s* mx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  v16s acc[WT];
+  for (int w = 0; w < WT; ++w) acc[w] = v16s{};
+  for (int64_t j = 0; j < r; ++j) {
+    const v16s x = lanes16(blk + j * 16);
+    for (int w = 0; w < WT; ++w) acc[w] += x * emb[w * r + j];
+  }
+  for (int w = 0; w < WT; ++w) {
+    v16s l = b + acc[w];
+    if (t != 1.0f) l = l / t;
+    if (v + 16 > V)
+      for (int j = 0; j < 16; ++j) l[j] = v + j < V ? l[j] : ninf;  // the padding: weight 0, never chosen
+    std::memcpy(buf + w * n + (v - v0), &l, sizeof(l));
+    mx[w] = l > mx[w] ? l : mx[w];
+  }
+}
+
 // chunk [v0, v1) of the logits of W nodes: (base + W2 emb_w) / t, W2 packed in blocks of 16 rows
-// [Vp / 16, r, 16]; out[w] gets the chunk's max, exp-sum and top k
+// [Vp / 16, r, 16]; out[w] gets the chunk's max, exp-sum and top k. Nodes go four at a time.
 template <typename T>
 void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, int64_t r, int64_t V, int64_t v0,
                   int64_t v1, float t, int64_t k, ChunkTop* out) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t n = v1 - v0;
   std::vector<float> buf(W * n);
-  std::vector<v16s> acc(W);
   for (int64_t w = 0; w < W; ++w)
     out[w] = ChunkTop{ninf, 0.0, std::vector<float>(k, ninf), std::vector<int64_t>(k, -1)};
   std::vector<v16s> mx(W, v16s{} + ninf);
@@ -987,19 +1017,16 @@ void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, 
     } else {
       for (int j = 0; j < 16; ++j) b[j] = v + j < V ? base[v + j] : 0.0f;
     }
-    for (int64_t w = 0; w < W; ++w) acc[w] = v16s{};
     const T* blk = w2p + (v / 16) * r * 16;
-    for (int64_t j = 0; j < r; ++j) {
-      const v16s x = lanes16(blk + j * 16);
-      for (int64_t w = 0; w < W; ++w) acc[w] += x * emb[w * r + j];
-    }
-    for (int64_t w = 0; w < W; ++w) {
-      v16s l = b + acc[w];
-      if (t != 1.0f) l = l / t;
-      if (v + 16 > V)
-        for (int j = 0; j < 16; ++j) l[j] = v + j < V ? l[j] : ninf;  // the padding: weight 0, never chosen
-      std::memcpy(buf.data() + w * n + (v - v0), &l, sizeof(l));
-      mx[w] = l > mx[w] ? l : mx[w];
+    for (int64_t w0 = 0; w0 < W; w0 += 4) {
+      const float* e = emb + w0 * r;
+      float* o = buf.data() + w0 * n;
+      switch (std::min<int64_t>(4, W - w0)) {
+        case 1: node_logits16<1>(b, blk, e, r, v, V, v0, t, o, n, mx.data() + w0); break;
+        case 2: node_logits16<2>(b, blk, e, r, v, V, v0, t, o, n, mx.data() + w0); break;
+        case 3: node_logits16<3>(b, blk, e, r, v, V, v0, t, o, n, mx.data() + w0); break;
+        default: node_logits16<4>(b, blk, e, r, v, V, v0, t, o, n, mx.data() + w0); break;
+      }
     }
   }
   for (int64_t w = 0; w < W; ++w)
