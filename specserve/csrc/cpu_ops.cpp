@@ -594,6 +594,13 @@ void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: weight size");
 }
 
+void check_head_rows(const at::Tensor& x, const at::Tensor& w) {  // a weight [n] or [m, n] per row of x [.., m, n]
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "rms_norm: bfloat16 only");
+  TORCH_CHECK((w.dim() == 1 && x.size(-1) == w.size(0)) ||
+                  (w.dim() == 2 && x.dim() >= 2 && x.size(-2) == w.size(0) && x.size(-1) == w.size(1)),
+              "rms_norm: weight size");
+}
+
 }  // namespace
 
 std::vector<at::Tensor> add_rms_norm(at::Tensor residual, at::Tensor x, at::Tensor weight, double eps,
@@ -623,19 +630,21 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor residual, at::Tensor x, at::Tens
   return {new_res, normed};
 }
 
+// weight [n], or [m, n]: a weight row per row of x's last two dims [.., m, n] (heads normed by their own)
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t vec) {
-  check_rows(x, weight);
+  check_head_rows(x, weight);
   x = x.contiguous();
   weight = weight.contiguous();
   auto normed = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const int64_t n = weight.size(0), rows = x.numel() / std::max<int64_t>(n, 1);
+  const int64_t n = weight.size(-1), m = weight.dim() == 2 ? weight.size(0) : 1;
+  const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
   const auto* px = x.data_ptr<at::BFloat16>();
   const auto* pw = weight.data_ptr<at::BFloat16>();
   auto* pn = normed.data_ptr<at::BFloat16>();
   std::vector<float> xf(n), sq(n);
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t k = 0; k < n; ++k) xf[k] = bf(px[row * n + k]);
-    norm_row(xf.data(), sq.data(), pw, pn + row * n, n, static_cast<float>(eps), vec);
+    norm_row(xf.data(), sq.data(), pw + (row % m) * n, pn + row * n, n, static_cast<float>(eps), vec);
   }
   return normed;
 }

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specserve.config import cache_root
 
@@ -150,6 +151,18 @@ def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Ten
         return tuple(ops.softmax_topk(base, bias, None if scale is None else scale.reshape(-1), k))
     logits = base.unsqueeze(1) if bias is None else torch.add(base.unsqueeze(1), bias)
     return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of ``gate_up`` [..., 2 n] (gate | up), the same bits: one pass through the
+    extension for bfloat16 on the CPU outside autograd, else PyTorch's two ops."""
+    n = gate_up.shape[-1] // 2
+    ops = (active() if gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
+           and not (torch.is_grad_enabled() and gate_up.requires_grad) else None)
+    if ops is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return ops.silu_mul(gate_up.reshape(-1, 2 * n), n).view(*gate_up.shape[:-1], n)
 
 
 def active():

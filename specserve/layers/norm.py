@@ -38,7 +38,10 @@ def _bf16_norm_op(x: torch.Tensor, weight: torch.Tensor):
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``RMSNorm`` over the last dim of ``x`` [..., n, D] with a weight per row of the last two dims
     (``weight`` [n, D], e.g. the q_norm weight for the query heads stacked over the k_norm weight for the
-    key heads): several norms of the same size in one call. Float32 inside, as ``RMSNorm``."""
+    key heads): several norms of the same size in one call. Float32 inside, as ``RMSNorm`` (bfloat16 rows
+    on the CPU through the C++ norm op, the same bits)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+    if (ops := _bf16_norm_op(x, weight)) is not None:
+        return ops.rms_norm(x, weight, eps, cpu_ops.norm_vec_width())
     return weight * F.rms_norm(x, weight.shape[-1:], None, eps)

@@ -197,6 +197,25 @@ def test_norm_ops_equal_rms_norm_bit_for_bit(n):
 
 
 @needs_ext
+def test_rms_norm_heads_through_the_op_keeps_the_bits():
+    """``rms_norm_heads`` (the DSpark drafter's q/k norms: a weight row per head) through the C++ norm
+    op against its PyTorch formula, bit for bit, on a slice of a wider tensor (as the fused q/k/v
+    projection gives it) and with one weight row for all heads."""
+    from specserve.layers.norm import rms_norm_heads
+
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(2, 7, 15, 64, generator=g) * torch.rand(2, 7, 15, 1, generator=g) * 4).to(torch.bfloat16)
+    w = torch.randn(12, 64, generator=g).to(torch.bfloat16)
+    x = qkv[:, :, :12]
+    want = w * F.rms_norm(x, (64,), None, 1e-6)
+    assert torch.equal(rms_norm_heads(x, w, 1e-6), want)
+    assert torch.equal(ops.rms_norm(x, w[:1].expand(12, 64), 1e-6, cpu_ops.norm_vec_width()),
+                       w[0] * F.rms_norm(x, (64,), None, 1e-6))
+    with pytest.raises(RuntimeError, match="weight size"):
+        ops.rms_norm(x, w[:5], 1e-6, cpu_ops.norm_vec_width())
+
+
+@needs_ext
 def test_silu_mul_equals_torch_for_every_bfloat16_gate():
     """The decoder layer's silu(gate) * up against torch's ``F.silu`` then ``mul`` for all 65,536 bfloat16
     bit patterns of the gate (NaNs, infinities and denormals included), alone and among other rows."""

@@ -100,15 +100,26 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
     return DraftBlock(torch.stack(tokens, dim=1) if drafted is None else drafted, out_probs, confs)
 
 
+_TARGET_IDS: dict = {}  # (id, version, device) of a d2t -> (that d2t, its target ids): made once a drafter
+
+
 def draft_target_ids(d2t: torch.Tensor | None, device=None) -> torch.Tensor | None:
     """The target id of every draft id [V_draft] from ``d2t`` offsets or a bool ``t2d`` mask (None: the
-    draft vocabulary is the target's), on ``device`` (default: ``d2t``'s)."""
+    draft vocabulary is the target's), on ``device`` (default: ``d2t``'s). Kept for the next call with
+    the same, unchanged ``d2t`` (every drafting step asks): read it, never write it."""
     if d2t is None:
         return None
-    device = d2t.device if device is None else device
-    if d2t.dtype == torch.bool:
-        d2t = d2t_from_t2d(d2t)
-    return torch.arange(d2t.numel(), device=device, dtype=torch.long) + d2t.to(device=device, dtype=torch.long)
+    device = d2t.device if device is None else torch.device(device)
+    key = (id(d2t), d2t._version, str(device))
+    hit = _TARGET_IDS.get(key)
+    if hit is not None and hit[0] is d2t:
+        return hit[1]
+    offsets = d2t_from_t2d(d2t) if d2t.dtype == torch.bool else d2t
+    ids = torch.arange(offsets.numel(), device=device, dtype=torch.long) + offsets.to(device=device, dtype=torch.long)
+    if len(_TARGET_IDS) >= 16:
+        _TARGET_IDS.clear()
+    _TARGET_IDS[key] = (d2t, ids)
+    return ids
 
 
 def confidence_temperature_list(temperatures, g: int) -> list[float]:
