@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from specserve.sample.tree import TreeCache
 from specserve.spec_decode.cost_model import sampling_key
 from specserve.spec_decode.ngram.config import NgramBranchOptions
