@@ -1193,7 +1193,7 @@ namespace {
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t nv = n / 64 * 64;
   v16s best[4];
-  v16n at[4] = {}, nan = v16n{};
+  v16n first[4] = {}, nan = v16n{};
   for (int a = 0; a < 4; ++a) best[a] = v16s{} - __builtin_inff();
   for (int64_t i = 0; i < nv; i += 64) {
     for (int a = 0; a < 4; ++a) {
@@ -1201,7 +1201,7 @@ int64_t argmax_row(const float* x, int64_t n) {
       const v16n gt = v > best[a];
       nan |= v != v;
       best[a] = gt ? v : best[a];
-      at[a] = gt ? v16n{} + static_cast<int32_t>(i) : at[a];
+      first[a] = gt ? v16n{} + static_cast<int32_t>(i) : first[a];
     }
   }
   float m = -__builtin_inff();
@@ -1214,7 +1214,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     idx = n;
     for (int a = 0; a < 4; ++a)  // the first index holding m
       for (int j = 0; j < 16; ++j)
-        if (best[a][j] == m) idx = std::min<int64_t>(idx, at[a][j] + 16 * a + j);
+        if (best[a][j] == m) idx = std::min<int64_t>(idx, first[a][j] + 16 * a + j);
   }
   for (int64_t i = nv; i < n; ++i) {
     if (x[i] != x[i]) {
