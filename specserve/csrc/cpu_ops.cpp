@@ -1206,8 +1206,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   float m = -__builtin_inff();
   int64_t idx = 0;
-  bool any_nan = false;
-  for (int j = 0; j < 16; ++j) any_nan |= nan[j] != 0;
+  bool any_nan = any_lane(nan);
   if (nv > 0) {
     for (int a = 0; a < 4; ++a)
       for (int j = 0; j < 16; ++j) m = best[a][j] > m ? best[a][j] : m;

@@ -63,19 +63,14 @@ def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: 
     B = len(survival)
     if B == 0:
         return []
-    if B == 1:  # one request: its own order, no sort
+    if B == 1:  # one request: already in its order (checked here), no sort
         row = survival[0]
         if any(q > p for p, q in zip(row, row[1:])):
             raise ValueError("survival products must not increase along a request's drafts")
-        best_n, best_rate, gain = 0, 1.0 / max(verify_cost(1) + draft_cost, 1e-12), 0.0
-        for n, p in enumerate(row, start=1):
-            gain += float(p)
-            rate = (1.0 + gain) / max(verify_cost(1 + n) + draft_cost, 1e-12)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        return [best_n]
-    order = sorted(((float(p), b, k) for b, row in enumerate(survival) for k, p in enumerate(row)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+        order = [(float(p), 0, k) for k, p in enumerate(row)]
+    else:
+        order = sorted(((float(p), b, k) for b, row in enumerate(survival) for k, p in enumerate(row)),
+                       key=lambda t: (-t[0], t[1], t[2]))
     best_n, best_rate, gain = 0, B / max(verify_cost(B) + draft_cost, 1e-12), 0.0
     taken = [0] * B
     for n, (p, b, k) in enumerate(order, start=1):

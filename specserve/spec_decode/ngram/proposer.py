@@ -18,6 +18,14 @@ def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int
     return found[0][0] if found else []
 
 
+def ngram_windows(ids: list[int], n_min: int, n_max: int, done: int = 0):
+    """(n-gram, its start) of every window of ``ids`` that a token follows, n from ``n_min`` to ``n_max``,
+    leaving out those of its first ``done`` tokens (the windows a shorter prefix already had)."""
+    for n in range(n_min, n_max + 1):
+        for h in range(max(0, done - n), len(ids) - n):
+            yield tuple(ids[h : h + n]), h
+
+
 class NgramPool:
     """The tokens of earlier requests (prompt and output of each finished one), indexed by their
     n-grams, so that a sequence's n-gram branch can also continue a phrase that an earlier answer
@@ -43,27 +51,21 @@ class NgramPool:
         no, self._next = self._next, self._next + 1
         self._seqs[no] = ids
         self._total += len(ids)
-        for key, start in self._ngrams(ids):
+        for key, h in ngram_windows(ids, self.n_min, self.n_max):
             hits = self._index.setdefault(key, [])
-            hits.append((no, start))
+            hits.append((no, h + len(key)))
             if len(hits) > self.per_key:
                 del hits[0]
         while self._total > self.max_tokens and len(self._seqs) > 1:
             old = next(iter(self._seqs))
             gone = self._seqs.pop(old)
             self._total -= len(gone)
-            for key, _ in self._ngrams(gone):  # its index entries go too
+            for key, _ in ngram_windows(gone, self.n_min, self.n_max):  # its index entries go too
                 hits = [h for h in self._index.get(key, ()) if h[0] != old]
                 if hits:
                     self._index[key] = hits
                 else:
                     self._index.pop(key, None)
-
-    def _ngrams(self, ids: list[int]):
-        """Every n-gram of ``ids`` that something follows, with where that continuation starts."""
-        for n in range(self.n_min, self.n_max + 1):
-            for j in range(len(ids) - n):
-                yield tuple(ids[j : j + n]), j + n
 
     def continuations(self, suffix: list[int], k: int) -> list[list[int]]:
         """Up to k tokens that followed ``suffix`` in earlier sequences, most recent first."""
@@ -93,10 +95,8 @@ class NgramIndex:
         m = len(self.ids)
         if len(ids) < m or ids[:m] != self.ids:
             self.ids, self._starts, m = [], {}, 0
-        L = len(ids)
-        for n in range(self.n_min, self.n_max + 1):
-            for h in range(max(0, m - n), L - n):  # windows ending before the last token, new ones only
-                self._starts.setdefault(tuple(ids[h : h + n]), []).append(h)
+        for key, h in ngram_windows(ids, self.n_min, self.n_max, m):  # the windows new since the last update
+            self._starts.setdefault(key, []).append(h)
         self.ids = ids
         return self
 
