@@ -405,16 +405,30 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
 }
 #endif
 
-// the tasks: (sequence, kv head, chunk of ROW_CHUNK rows), on the intra-op threads when ``parallel``
+// Rows of one kv head per task: ROW_CHUNK, or fewer where that gives under two tasks a thread. A
+// verification of a few tokens has one task per kv head (3 for 2 threads: 2 + 1 kv heads, the attention's
+// time that of 2); cut in two (an even number of rows first: rows go in pairs) they make 6 tasks. Each task
+// reads its kv head's keys and values, so chunks of under 4 rows (a one-token step's 3) stay whole. A
+// row's result does not depend on its task.
+int64_t attn_chunk_rows(int64_t R, int64_t heads, bool parallel) {
+  const int64_t want = 2 * at::get_num_threads();
+  if (!parallel || heads * ((R + ROW_CHUNK - 1) / ROW_CHUNK) >= want) return ROW_CHUNK;
+  const int64_t per = (want + heads - 1) / heads;  // chunks a kv head
+  const int64_t rows = ((R + per - 1) / per + 1) / 2 * 2;
+  return rows < 4 ? ROW_CHUNK : std::min(ROW_CHUNK, rows);
+}
+
+// the tasks: (sequence, kv head, chunk of rows), on the intra-op threads when ``parallel``
 template <typename F>
 void attn_run_tasks(const AttnArgs& a, bool parallel, F task) {
   const int64_t R = a.Q * a.G;
-  const int64_t chunks = (R + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t rows = attn_chunk_rows(R, a.B * a.Hkv, parallel);
+  const int64_t chunks = (R + rows - 1) / rows;
   const int64_t ntasks = a.B * a.Hkv * chunks;
   auto run = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t ch = t % chunks, kvh = (t / chunks) % a.Hkv, b = t / (chunks * a.Hkv);
-      task(b, kvh, ch * ROW_CHUNK, std::min(R, (ch + 1) * ROW_CHUNK));
+      task(b, kvh, ch * rows, std::min(R, (ch + 1) * rows));
     }
   };
   if (parallel && ntasks > 1) {

@@ -123,6 +123,15 @@ def test_attention_row_has_the_same_bits_whatever_shares_the_call(kernel):
     chain_mask = torch.ones(1, 1, K, P + K, dtype=torch.bool).tril(P)
     for work in (cpu_ops.PARALLEL_WORK, 0):
         assert torch.equal(_attn(q, cache, 0, P + K, chain_mask, parallel_work=work), singles)
+    # short chains (a verification): on 2 threads each kv head's rows are cut into two tasks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k in (2, 3, 4):
+            short = _attn(q[:, :k], cache, 0, P + k, chain_mask[..., :k, : P + k], parallel_work=0)
+            assert torch.equal(short, singles[:, :k])
+    finally:
+        torch.set_num_threads(threads)
     # a prefill (causal, no mask) of the whole context: its last K rows
     qp = torch.cat([torch.randn(1, P, H, D, generator=g).to(torch.bfloat16), q], 1)
     assert torch.equal(_attn(qp, cache, 0, P + K, causal=True)[:, P:], singles)
