@@ -14,8 +14,7 @@ from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 def ngram_propose(ids: torch.Tensor, k: int, n_max: int, n_min: int) -> list[int]:
     """ids: the whole sequence (a list or 1-D tensor). Returns up to k tokens that followed the most recent
     earlier occurrence of its last n tokens, for the largest n in [n_min, n_max] that has one."""
-    found = ngram_candidates(ids, k, 1, None, n_max, n_min)
-    return found[0][0] if found else []
+    return NgramIndex(n_max, n_min).update(ids).most_recent(k)
 
 
 def ngram_windows(ids: list[int], n_min: int, n_max: int, done: int = 0):
@@ -126,6 +125,12 @@ class NgramIndex:
                         return out
         return out
 
+    def most_recent(self, k: int) -> list[int]:
+        """The ``ngram`` drafter's draft: up to k tokens that followed the most recent earlier occurrence
+        of the indexed sequence's longest matched suffix ([] when none)."""
+        found = self.candidates(k, 1)
+        return found[0][0] if found else []
+
 
 def ngram_candidates(ids, k: int, limit: int, pool: NgramPool | None = None,
                      n_max: int = PROMPT_LOOKUP_MAX, n_min: int = PROMPT_LOOKUP_MIN) -> list[tuple[list[int], int]]:
@@ -150,6 +155,5 @@ class NgramProposer(Proposer):
         chains = []
         for seq, k in zip(inputs.seqs, inputs.max_drafts):
             index = self._index.setdefault(seq.seq_id, NgramIndex(self.n_max, self.n_min))
-            found = index.update(seq.all_ids).candidates(min(k, self.num_speculative_tokens), 1)
-            chains.append(found[0][0] if found else [])
+            chains.append(index.update(seq.all_ids).most_recent(min(k, self.num_speculative_tokens)))
         return Proposal(chains)
