@@ -260,18 +260,22 @@ class MedusaProposer(ModelDrafter):
         greedy requests), each head's logits also divided by its calibration temperature
         (``head_temperatures`` in the checkpoint's config.json, fitted on held-out data by
         ``specserve train medusa``; 1 when absent). They only decide what to verify."""
-        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=logits.device)
-        t = t.view(-1, 1, 1) * self.head_temperatures[: logits.shape[1]].view(1, -1, 1)
-        return torch.softmax(logits.float() / t, dim=-1)
+        t = self._temperatures(seqs, logits.shape[1], logits.device)
+        return torch.softmax(logits.float() / t.unsqueeze(-1), dim=-1)
 
     def _top_probs(self, logits: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """``_probs``' ``medusa_topk`` largest probabilities of each head and their indices, [B, k, topk]
         each (one pass a head and request through ``cpu_ops.softmax_topk`` on CPU)."""
         B, K, V = logits.shape
-        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=logits.device)
-        t = t.view(-1, 1) * self.head_temperatures[:K].view(1, -1)
+        t = self._temperatures(seqs, K, logits.device)
         probs, idx = cpu_ops.softmax_topk(logits.reshape(B * K, V).float(), None, t.view(-1, 1, 1), self.topk)
         return probs.view(B, K, -1), idx.view(B, K, -1)
+
+    def _temperatures(self, seqs, K: int, device) -> torch.Tensor:
+        """[B, K]: each request's temperature (1 for greedy requests) times each of the first K heads'
+        calibration temperature, what ``_probs`` and ``_top_probs`` divide the heads' logits by."""
+        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=device)
+        return t.view(-1, 1) * self.head_temperatures[:K].view(1, -1)
 
     def path_probs(self, top_probs: torch.Tensor) -> torch.Tensor:
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
