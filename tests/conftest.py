@@ -52,15 +52,17 @@ def write_tiny_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, num_layers: int = 2,
-                    vocab_size: int = TINY_VOCAB) -> Path:
-    """Save a tiny random model of ``kind`` as an HF directory (with a word-level tokenizer)."""
+                    vocab_size: int = TINY_VOCAB, hidden_size: int = 64) -> Path:
+    """Save a tiny random model of ``kind`` as an HF directory (with a word-level tokenizer): 4 heads of
+    ``hidden_size / 4`` (16 by default), 2 kv heads."""
     import transformers
 
     spec = dict(TINY_CONFIGS[kind])
     arch = spec.pop("arch")
     model_type = spec.pop("model_type")
     cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
-    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   rope_theta=10000.0, initializer_range=0.15, bos_token_id=None, eos_token_id=0,
                   architectures=[arch], **spec)

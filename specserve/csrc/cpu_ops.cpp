@@ -286,6 +286,23 @@ inline v16f load16(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (exact)
   return reinterpret_cast<v16f>(_mm512_castsi512_ps(u));
 }
 
+// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+inline __m512 widen16(__m256i b) {  // 16 bfloat16 (bits) -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+inline __m512 load16f(const at::BFloat16* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+inline void store16(at::BFloat16* p, __m256i b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+
 // attn_task for bfloat16 q and cache (AVX-512 BF16 builds, D a multiple of 32): the same fixed-order rule in
 // float32. A score is one key's ``vdpbf16ps`` lanes (exact bfloat16 products, float32 sums) added in one
 // tree (hsum16) and scaled; weights exp(s - max) in float64 rounded to float32, 0 for a hidden key; the
@@ -593,14 +610,55 @@ inline float bf(at::BFloat16 v) { return static_cast<float>(v); }
 // one row: ``src`` (bfloat16 values as float32) -> normed (bfloat16)
 void norm_row(const float* xf, float* sq, const at::BFloat16* w, at::BFloat16* out, int64_t n, float eps,
               int64_t vec) {
-  for (int64_t k = 0; k < n; ++k) sq[k] = xf[k] * xf[k];
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  for (; k + 16 <= n; k += 16) {
+    const __m512 v = _mm512_loadu_ps(xf + k);
+    _mm512_storeu_ps(sq + k, _mm512_mul_ps(v, v));
+  }
+#endif
+  for (; k < n; ++k) sq[k] = xf[k] * xf[k];
   const float sum = vec == 16 ? torch_row_sum<16>(sq, n) : torch_row_sum<8>(sq, n);
   const float mean = sum / static_cast<float>(n);
   const float r = 1.0f / std::sqrt(mean + eps);
-  for (int64_t k = 0; k < n; ++k) {
+  k = 0;
+#if defined(__AVX512BF16__)
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; k + 16 <= n; k += 16) {
+    const __m512 y = widen16(to_bf16(_mm512_mul_ps(_mm512_loadu_ps(xf + k), rv)));
+    store16(out + k, to_bf16(_mm512_mul_ps(load16f(w + k), y)));
+  }
+#endif
+  for (; k < n; ++k) {
     const float y = bf(at::BFloat16(xf[k] * r));
     out[k] = at::BFloat16(bf(w[k]) * y);
   }
+}
+
+// row i of residual + x, rounded to bfloat16, into out and (as float32) xf
+void add_row(const at::BFloat16* pr, const at::BFloat16* px, at::BFloat16* out, float* xf, int64_t n) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  for (; k + 16 <= n; k += 16) {
+    const __m256i s = to_bf16(_mm512_add_ps(load16f(pr + k), load16f(px + k)));
+    store16(out + k, s);
+    _mm512_storeu_ps(xf + k, widen16(s));
+  }
+#endif
+  for (; k < n; ++k) {
+    const at::BFloat16 s(bf(pr[k]) + bf(px[k]));
+    out[k] = s;
+    xf[k] = bf(s);
+  }
+}
+
+// row of bfloat16 -> float32
+void widen_row(const at::BFloat16* p, float* xf, int64_t n) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  for (; k + 16 <= n; k += 16) _mm512_storeu_ps(xf + k, load16f(p + k));
+#endif
+  for (; k < n; ++k) xf[k] = bf(p[k]);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
@@ -634,11 +692,7 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor residual, at::Tensor x, at::Tens
   auto* pn = normed.data_ptr<at::BFloat16>();
   std::vector<float> xf(n), sq(n);
   for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t k = 0; k < n; ++k) {
-      const at::BFloat16 s(bf(pr[row * n + k]) + bf(px[row * n + k]));
-      po[row * n + k] = s;
-      xf[k] = bf(s);
-    }
+    add_row(pr + row * n, px + row * n, po + row * n, xf.data(), n);
     norm_row(xf.data(), sq.data(), pw, pn + row * n, n, static_cast<float>(eps), vec);
   }
   return {new_res, normed};
@@ -657,7 +711,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t vec) {
   auto* pn = normed.data_ptr<at::BFloat16>();
   std::vector<float> xf(n), sq(n);
   for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t k = 0; k < n; ++k) xf[k] = bf(px[row * n + k]);
+    widen_row(px + row * n, xf.data(), n);
     norm_row(xf.data(), sq.data(), pw + (row % m) * n, pn + row * n, n, static_cast<float>(eps), vec);
   }
   return normed;
@@ -681,6 +735,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, i
 // bfloat16 mul_ / add_ do; cos, sin: [T, D]
 void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, int64_t D, const at::BFloat16* cos,
             const at::BFloat16* sin) {
+#if defined(__AVX512BF16__)
+  if (D % 32 == 0 && D <= 256) {  // 16 lanes at a time: roll(x, D / 2) is whole vectors, C / 2 along
+    const int64_t C = D / 16;
+    __m512 cv[16], sv[16], xv[16];
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < C; ++c) {
+        cv[c] = load16f(cos + t * D + 16 * c);
+        sv[c] = load16f(sin + t * D + 16 * c);
+      }
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        at::BFloat16* x = qkv + (t * heads_total + hh) * D;
+        for (int64_t c = 0; c < C; ++c) xv[c] = load16f(x + 16 * c);
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512 swapped = widen16(to_bf16(_mm512_mul_ps(xv[(c + C / 2) % C], sv[c])));
+          const __m512 scaled = widen16(to_bf16(_mm512_mul_ps(xv[c], cv[c])));
+          store16(x + 16 * c, to_bf16(_mm512_add_ps(scaled, swapped)));
+        }
+      }
+    }
+    return;
+  }
+#endif
   std::vector<float> row(D);
   for (int64_t t = 0; t < T; ++t) {
     const at::BFloat16* c = cos + t * D;
@@ -701,14 +777,6 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
 // libtorch_cpu's, what Vectorized<float>::exp() calls; weak: a torch without it takes torch's ops
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 
-// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
-}
 #endif
 
 // silu(gate) * up for gu [T, 2 n] = (gate | up), bfloat16, as at::silu_ then at::mul compute it: silu in
