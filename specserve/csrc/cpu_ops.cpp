@@ -732,17 +732,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, i
 
 // rotate_ (layers/rotary.py) on the q and k heads of qkv [T, heads, D] in place, bit for bit:
 // x * cos + roll(x, D / 2) * signed_sin, each product and the sum rounded to bfloat16 as torch's
-// bfloat16 mul_ / add_ do; cos, sin: [T, D]
+// bfloat16 mul_ / add_ do; cos, sin: [T, D], position t's row at t * cs
 void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, int64_t D, const at::BFloat16* cos,
-            const at::BFloat16* sin) {
+            const at::BFloat16* sin, int64_t cs) {
 #if defined(__AVX512BF16__)
   if (D % 32 == 0 && D <= 256) {  // 16 lanes at a time: roll(x, D / 2) is whole vectors, C / 2 along
     const int64_t C = D / 16;
     __m512 cv[16], sv[16], xv[16];
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t c = 0; c < C; ++c) {
-        cv[c] = load16f(cos + t * D + 16 * c);
-        sv[c] = load16f(sin + t * D + 16 * c);
+        cv[c] = load16f(cos + t * cs + 16 * c);
+        sv[c] = load16f(sin + t * cs + 16 * c);
       }
       for (int64_t hh = 0; hh < heads; ++hh) {
         at::BFloat16* x = qkv + (t * heads_total + hh) * D;
@@ -759,8 +759,8 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
 #endif
   std::vector<float> row(D);
   for (int64_t t = 0; t < T; ++t) {
-    const at::BFloat16* c = cos + t * D;
-    const at::BFloat16* s = sin + t * D;
+    const at::BFloat16* c = cos + t * cs;
+    const at::BFloat16* s = sin + t * cs;
     for (int64_t hh = 0; hh < heads; ++hh) {
       at::BFloat16* x = qkv + (t * heads_total + hh) * D;
       for (int64_t d = 0; d < D; ++d) row[d] = bf(x[d]);
@@ -847,15 +847,18 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
                                              : std::vector<at::Tensor>{h, rms_norm(h, ln[0], eps, vec)};
   auto qkv = linear(hn[1].view({T, d}), w[0], bits[0], n[0], grain, tile).contiguous();
   auto* pq = qkv.data_ptr<at::BFloat16>();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  TORCH_CHECK(cos.size(-1) == D && (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == Q,
+  TORCH_CHECK(cos.dim() == 4 && cos.sizes() == sin.sizes() && cos.size(-1) == D &&
+                  (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == Q,
               "decoder_layer: cos, sin [B or 1, Q, 1, D]");
+  if (cos.stride(3) != 1 || cos.strides() != sin.strides()) {  // rows read in place (the rotary table's views)
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+  }
   const bool shared_rows = cos.size(0) == 1 && B > 1;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t off = shared_rows ? 0 : b * Q * D;
+    const int64_t off = shared_rows ? 0 : b * cos.stride(0);
     rotate(pq + b * Q * (H + 2 * Hkv) * D, Q, H + 2 * Hkv, H + Hkv, D, cos.data_ptr<at::BFloat16>() + off,
-           sin.data_ptr<at::BFloat16>() + off);
+           sin.data_ptr<at::BFloat16>() + off, cos.stride(1));
   }
   // keys and values into the cache: block tables[b][pos / BS], offset pos % BS of [blocks, 2, Hkv, BS, D]
   auto* pc = cache.data_ptr<at::BFloat16>();
