@@ -81,11 +81,9 @@ def norm_vec_width() -> int:
 
 
 def _build():
-    from torch.utils import cpp_extension
-
     csrc = Path(__file__).resolve().parent.parent / "csrc"
-    src, gemm = csrc / "cpu_ops.cpp", csrc / "quant_gemm.cpp"
-    suffix, flags = _variant()
+    src = csrc / "cpu_ops.cpp"
+    suffix = _variant()[0]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
     # one build per source location: the build files name the source's path, so two checkouts sharing
     # the cache would otherwise rebuild each other's
@@ -94,11 +92,19 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.warning("specserve: compiling its C++ CPU ops into %s (once, ~40 s)", build_dir)
+    return compile_ops(csrc, f"specserve_cpu_ops_{suffix}", build_dir)
+
+
+def compile_ops(csrc: Path, name: str, build_dir: Path):
+    """The ops of the sources in ``csrc`` built (or loaded, when up to date) as module ``name`` in
+    ``build_dir``, with this CPU's flags (``_variant``)."""
+    from torch.utils import cpp_extension
+
     return cpp_extension.load(
-        name=f"specserve_cpu_ops_{suffix}",
-        sources=[str(src), str(gemm)],
+        name=name,
+        sources=[str(csrc / "cpu_ops.cpp"), str(csrc / "quant_gemm.cpp")],
         # OpenMP: at::parallel_for is compiled into the extension (torch's own libgomp at run time)
-        extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *flags],
+        extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *_variant()[1]],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,

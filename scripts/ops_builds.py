@@ -1,0 +1,88 @@
+"""Times the default model's forward under two builds of the C++ ops, alternating in one process (the
+only fair A/B on a shared machine, where two processes differ by 10-15%): each build's ``csrc`` is
+compiled under its own module name, and the same loaded model switches between them round by round.
+A build is a checkout's root (``git worktree add <dir> <commit>`` for an old one). Prints the median ms
+of a forward appending n tokens to a 128-token context, per build, and their ratio. The figures of
+docs/quantization.md's "between the linears" paragraph come from
+``python scripts/ops_builds.py <old checkout> . --tokens 1,2,3,4,8 --rounds 12``."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.layers import cpu_ops
+from specserve.layers.quant import GroupKernel
+
+CONTEXT = 128
+
+
+def build(root: Path, tag: str):
+    """The ops of checkout ``root`` as module ``specserve_ops_<tag>`` (built once, in the temp dir)."""
+    csrc = root.resolve() / "specserve" / "csrc"
+    where = hashlib.sha256(str(csrc).encode()).hexdigest()[:10]
+    out = Path(tempfile.gettempdir()) / "specserve_ops_builds" / f"{tag}_{where}"
+    out.mkdir(parents=True, exist_ok=True)
+    return cpu_ops.compile_ops(csrc, f"specserve_ops_{tag}", out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a", type=Path, help="checkout root of build A")
+    ap.add_argument("b", type=Path, help="checkout root of build B")
+    ap.add_argument("--tokens", default="1,3,4,8", help="tokens a forward appends")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--forwards", type=int, default=40, help="timed forwards per size and round")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from specserve.engine.model_runner import ModelRunner
+    from specserve.models.loader import resolve_model_dir
+
+    mods = {"A": build(args.a, "a"), "B": build(args.b, "b")}
+    sizes = [int(s) for s in args.tokens.split(",")]
+    runner = ModelRunner(resolve_model_dir(None), max_num_seqs=1)
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(getattr(m, "qkernel", None), GroupKernel)]
+
+    def use(mod) -> None:  # everything that holds the ops, and the layers' plans made with them
+        cpu_ops._state["ops"] = mod
+        for m in linears:
+            m.qkernel.ops = mod
+        for layer in model.model.layers:
+            layer._one_call = None
+        model._plan = None
+
+    ms = {k: {n: [] for n in sizes} for k in mods}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                use(mods[name])
+                runner.forward(0, [[0] * CONTEXT], [0], "none")
+                for n in sizes:
+                    for _ in range(3):
+                        runner.forward(0, [[0] * n], [CONTEXT], "all")
+                    ts = []
+                    for _ in range(args.forwards):
+                        t0 = time.perf_counter()
+                        runner.forward(0, [[0] * n], [CONTEXT], "all")
+                        ts.append(time.perf_counter() - t0)
+                    ms[name][n].append(statistics.median(ts) * 1e3)
+    med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in ms.items()}
+    print(f"ms of a forward appending n tokens after {CONTEXT} positions, medians of {args.rounds} rounds, "
+          f"{args.threads} threads")
+    print("| build | " + " | ".join(f"n={n}" for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for k, path in (("A", args.a), ("B", args.b)):
+        print(f"| {k}: {path} | " + " | ".join(f"{med[k][n]:.3f}" for n in sizes) + " |")
+    print("| B / A | " + " | ".join(f"{med['B'][n] / med['A'][n]:.3f}" for n in sizes) + " |")
+
+
+if __name__ == "__main__":
+    main()
