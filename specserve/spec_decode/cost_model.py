@@ -249,3 +249,28 @@ class DraftGate:
 
     def forget(self, seq_id: int) -> None:
         self._state.pop(seq_id, None)
+
+
+class DraftCosts:
+    """What one drafting call costs, by batch size, for the cost models: the start-up table
+    (``interp_cost``; a call measured where none covers the batch), raised to the running mean of the
+    calls timed in the engine once ``min_calls`` of that batch size have run. The start-up table drafts
+    one placeholder context again and again (its weights in cache, no new target features to project)
+    and reads low inside the engine; a table above the engine's calls (a test's synthetic one) stands."""
+
+    def __init__(self, min_calls: int = 8, weight: float = 0.1):
+        self.min_calls, self.weight = int(min_calls), float(weight)
+        self._mean: dict[int, tuple[int, float]] = {}  # batch size -> (calls, running mean)
+
+    def observe(self, batch: int, seconds: float) -> None:
+        """A drafting call of ``batch`` sequences took ``seconds`` in the engine: a plain mean of the
+        first ``min_calls``, then an exponential one (``weight``)."""
+        n, m = self._mean.get(batch, (0, 0.0))
+        m = m + (seconds - m) / (n + 1) if n < self.min_calls else m + self.weight * (seconds - m)
+        self._mean[batch] = (n + 1, m)
+
+    def __call__(self, table: dict[int, float] | None, batch: int, measured: float) -> float:
+        """Seconds of a drafting call of ``batch`` sequences (``measured``: this step's own)."""
+        base = interp_cost(table, batch) if table and batch <= max(table) else measured
+        n, m = self._mean.get(batch, (0, 0.0))
+        return max(base, m) if n >= self.min_calls else base

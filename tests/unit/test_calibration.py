@@ -6,8 +6,8 @@ import json
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftGate, calibrated_lengths, depth_sums,
-                                              sampling_key)
+from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftCosts, DraftGate, calibrated_lengths,
+                                              depth_sums, sampling_key)
 
 from test_dspark import write_random_drafter
 from test_medusa import make_heads
@@ -138,6 +138,25 @@ def test_draft_gate_backs_off_while_drafting_does_not_pay():
     assert not gate.judge(7, 0.0, 0, cost, 0.2) and gate.skip(7) and not gate.skip(7)
     gate.forget(7)
     assert not gate.skip(7)
+
+
+def test_draft_costs_rise_to_the_engines_calls_never_fall_below_the_table():
+    """The drafting cost the cost models read: the start-up table until ``min_calls`` calls of a batch
+    size were timed, then the larger of the table and their running mean (per batch size); a batch size
+    the table does not cover takes this step's measurement."""
+    costs = DraftCosts(min_calls=3, weight=0.5)
+    table = {1: 2.0, 4: 5.0}
+    for s in (3.0, 3.0):
+        costs.observe(1, s)
+    assert costs(table, 1, 9.0) == 2.0  # two calls: still the table
+    costs.observe(1, 6.0)  # mean of 3, 3, 6
+    assert costs(table, 1, 9.0) == pytest.approx(4.0)
+    assert costs(table, 2, 9.0) == pytest.approx(3.0)  # interpolated, no calls of 2 yet
+    costs.observe(1, 0.0)  # then exponential: 4 + 0.5 * (0 - 4)
+    assert costs(table, 1, 9.0) == 2.0  # 2.0 is the mean now, not below the table either
+    costs.observe(1, 0.0)
+    assert costs(table, 1, 9.0) == 2.0  # the mean (1.0) below the table: the table
+    assert costs(table, 8, 0.7) == 0.7 and costs(None, 1, 0.7) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("mode", [{"dspark_verify": "auto"}, {"dspark_tree": "auto"}])

@@ -12,9 +12,10 @@ sampling), ``dspark_verify``:
 * ``"threshold"``: verify up to the first draft whose (calibrated) confidence is below
   ``confidence_threshold``;
 * ``"auto"``: the cost model: target verification cost per total token count and drafting cost per
-  batch size are measured at start-up on the running device; each step every request's verify length
-  is chosen to maximise expected accepted tokens per second from the survival products of its
-  confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``).
+  batch size are measured at start-up on the running device (the drafting cost raised to the engine's
+  own drafting calls' running mean once it is above: ``cost_model.DraftCosts``); each step every
+  request's verify length is chosen to maximise expected accepted tokens per second from the
+  survival products of its confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``).
 
 ``dspark_tree`` (default None: a chain) drafts a tree instead, verified with tree attention
 (``specserve.sample.tree``): the block forward gives each depth its base logits once, and every
@@ -64,10 +65,10 @@ from specserve.layers.packing import pack_linears
 from specserve.layers.quant import quantize
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (
+    DraftCosts,
     DraftGate,
     calibrated_lengths,
     calibrated_scores,
-    interp_cost,
     profile_sizes,
     tree_profile_sizes,
 )
@@ -299,6 +300,7 @@ class DSparkProposer(ModelDrafter):
         self.draft_dtype = opts.draft_dtype
         self.draft_quantization = opts.draft_quantization
         self.draft_costs: dict[int, float] | None = None
+        self.drafting = DraftCosts()  # the engine's own drafting calls, timed (``_draft_cost``)
         self.use_draft_gate = opts.draft_gate
         self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
 
@@ -383,6 +385,7 @@ class DSparkProposer(ModelDrafter):
             [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, states)
         synchronize(blk.tokens.device)  # the drafter's GPU work is done, not just queued
         draft_s = time.perf_counter() - t0
+        self.drafting.observe(len(rows), draft_s)
         for b, st in zip(rows, new_states):
             if st is not None:
                 seqs[b].generator.set_state(st)
@@ -430,6 +433,7 @@ class DSparkProposer(ModelDrafter):
             self.tree_beam, self.conf_temps)
         synchronize(cand.scores.device)
         draft_s = time.perf_counter() - t0
+        self.drafting.observe(len(rows), draft_s)
         limit = torch.tensor([budget[b] for b in rows], device=cand.depth.device)
         too_deep = cand.depth.view(1, -1) > limit.view(-1, 1)
         scores = calibrated_scores(self.calibration, [seqs[b] for b in rows], cand.scores, cand.depth)
@@ -491,10 +495,9 @@ class DSparkProposer(ModelDrafter):
 
     def _draft_cost(self, batch: int, measured: float) -> float:
         """This step's drafting time: the start-up table (less noisy than one measurement) when it has
-        the batch size, else the measured one."""
-        if self.draft_costs and batch <= max(self.draft_costs):
-            return interp_cost(self.draft_costs, batch)
-        return measured
+        the batch size, else the measured one; never below the engine's own calls' running mean
+        (``cost_model.DraftCosts``)."""
+        return self.drafting(self.draft_costs, batch, measured)
 
     def _calibrated(self, c: torch.Tensor) -> torch.Tensor:
         """Confidences [..., g] after the checkpoint's sequential temperature scaling (if it has one)."""
