@@ -281,10 +281,15 @@ inline v16f hsum16(const v16f* x) {
   return pair(pair(z[0], z[1]), pair(z[2], z[3]));
 }
 
-inline v16f load16(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (exact)
-  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<v16f>(_mm512_castsi512_ps(u));
+inline __m512 widen16(__m256i b) {  // 16 bfloat16 (bits) -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+
+inline __m512 load16f(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (exact)
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline v16f load16(const at::BFloat16* p) { return reinterpret_cast<v16f>(load16f(p)); }
 
 // float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0)
 inline __m256i to_bf16(__m512 v) {
@@ -294,12 +299,6 @@ inline __m256i to_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
 }
-
-inline __m512 widen16(__m256i b) {  // 16 bfloat16 (bits) -> float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-inline __m512 load16f(const at::BFloat16* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 inline void store16(at::BFloat16* p, __m256i b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
 
@@ -796,12 +795,10 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
     auto rows = [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t j = 0; j < n; j += 16) {
-          const __m512 x = reinterpret_cast<__m512>(load16(pg + t * 2 * n + j));
+          const __m512 x = load16f(pg + t * 2 * n + j);
           const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
           const __m256i s = to_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
-          const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
-          const __m256i y = to_bf16(_mm512_mul_ps(sf, reinterpret_cast<__m512>(load16(pg + t * 2 * n + n + j))));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pm + t * n + j), y);
+          store16(pm + t * n + j, to_bf16(_mm512_mul_ps(widen16(s), load16f(pg + t * 2 * n + n + j))));
         }
     };
     if (T >= 4)
