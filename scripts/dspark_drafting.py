@@ -1,11 +1,11 @@
 """DSpark's default configuration with its drafting step as it was and as it is, interleaved in one
-process with plain decoding: "loop" searches the draft tree depth by depth in PyTorch (a Markov-head
-GEMM, the C++ softmax + top-k, the confidence head and the beam's top-k per depth) and norms the
-drafter's states with ``F.rms_norm``; "one-call" searches the whole tree in ``cpu_ops.tree_search`` and
-norms through ``cpu_ops.rms_norm`` (the default). Held-out category prompts, greedy; prints tok/s over
-plain decoding (all and per category), drafting ms per call, and whether every answer is plain
-decoding's. The figures in docs/drafters-by-category.md come from
-``python scripts/dspark_drafting.py --num-prompts 6 --threads 2``."""
+process with plain decoding: "before" runs the drafter's block forward op by op and its tree search over
+W2 in blocks of whole columns (the eleventh round's starting point); "now" runs each drafter layer in one
+C++ ``decoder_layer`` call and the tree search over W2's columns in pairs (``vdpbf16ps``), the default.
+Held-out category prompts, greedy; prints tok/s over plain decoding (all and per category), drafting ms
+per call, and whether every answer is plain decoding's. The figures in docs/drafters-by-category.md
+(eleventh round) come from ``python scripts/dspark_drafting.py --num-prompts 6 --threads 2``; the sixth
+round's (the tree search's loop against its one call) from this script at 0395400."""
 
 from __future__ import annotations
 
@@ -14,20 +14,19 @@ import collections
 import time
 
 import torch
-import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.bench.categories import category_prompts
-from specserve.layers.norm import RMSNorm
 
 
 def as_before(llm: LLM) -> None:
-    """The drafter of ``llm`` searches depth by depth and norms through ``F.rms_norm``."""
+    """The drafter of ``llm`` runs its layers op by op and reads W2 in blocks of whole columns."""
     drafter = llm.engine.runner.helper("dspark").drafter
-    drafter.markov_head.search_pack = None
-    for m in drafter.modules():
-        if isinstance(m, RMSNorm):
-            m.forward = lambda x, m=m: m.weight * F.rms_norm(x, m.weight.shape, None, m.eps)
+    drafter._layer_calls = lambda ops: None
+    w1d, w2p = drafter.markov_head.search_pack
+    if w2p.dim() == 4:  # [blocks, r / 2, 16, 2] -> [blocks, r, 16]
+        w2p = w2p.permute(0, 1, 3, 2).reshape(w2p.shape[0], -1, 16).contiguous()
+    drafter.markov_head.search_pack = (w1d, w2p)
 
 
 def timed_drafting(llm: LLM, spent: list[float]) -> None:
@@ -51,10 +50,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engines = {"plain": LLM(), "loop": LLM(speculative_config={"method": "dspark"}),
-               "one-call": LLM(speculative_config={"method": "dspark"})}
-    as_before(engines["loop"])
-    drafting = {name: [] for name in ("loop", "one-call")}
+    engines = {"plain": LLM(), "before": LLM(speculative_config={"method": "dspark"}),
+               "now": LLM(speculative_config={"method": "dspark"})}
+    as_before(engines["before"])
+    drafting = {name: [] for name in ("before", "now")}
     for name, spent in drafting.items():
         timed_drafting(engines[name], spent)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -80,10 +79,10 @@ def main() -> None:
         call = f"{1e3 * sum(d) / max(1, len(d)):.2f} ({len(d)})" if d is not None else "-"
         print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | {call} | "
               f"{same[name]}/{len(prompts)} |")
-    print("\n| category | loop | one-call |\n|---|---|---|")
+    print("\n| category | before | now |\n|---|---|---|")
     for cat in dict.fromkeys(c for c, _ in prompts):
-        print(f"| {cat} | {wall[(cat, 'plain')] / wall[(cat, 'loop')]:.3f}x | "
-              f"{wall[(cat, 'plain')] / wall[(cat, 'one-call')]:.3f}x |")
+        print(f"| {cat} | {wall[(cat, 'plain')] / wall[(cat, 'before')]:.3f}x | "
+              f"{wall[(cat, 'plain')] / wall[(cat, 'now')]:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@
 // scalar tail, then the lanes in order), mean = sum / N, r = 1 / sqrt(mean + eps), bfloat16(x * r), then
 // the weight multiplied as torch multiplies two bfloat16 tensors.
 //
-// decoder_layer: a Llama layer of a quantized model (group kernel, quant_gemm.cpp) in one call, built from
-// the ops above, rotary as torch's rotate_ rounds it, and torch's own silu_ / mul: the same bits as the
-// layer op by op (LlamaDecoderLayer.forward_fused).
+// decoder_layer: a Llama (or Qwen3: q/k normed per head) layer of a quantized model (group kernel,
+// quant_gemm.cpp) in one call, built from the ops above, rotary as torch's rotate_ rounds it, and torch's
+// own silu_ / mul: the same bits as the layer op by op (LlamaDecoderLayer.forward_fused).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -821,13 +821,16 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
 // weights; w / bits / n: packed qkv, o, gate_up, down with their code bits and output features; heads:
 // (H, Hkv, D); cos, sin [B or 1, Q, 1, D] (``RotaryEmbedding.rotation``); cache, tables: the block pool and
 // the rows' block tables (``attention``); widx [B, Q]: the cache position each new token is written to (-1:
-// the scratch entry, block 0 offset 0). Returns (h, mlp output).
+// the scratch entry, block 0 offset 0); qk_norm: None, or the per-head norm weights of the q heads stacked over
+// those of the k heads, [H + Hkv, D] (Qwen3's q_norm / k_norm, as ``rms_norm`` norms them, before the
+// rotation). Returns (h, mlp output).
 std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x, std::vector<at::Tensor> ln,
                                       double eps, int64_t vec, std::vector<at::Tensor> w, std::vector<int64_t> bits,
                                       std::vector<int64_t> n, std::vector<int64_t> heads, at::Tensor cos,
                                       at::Tensor sin, at::Tensor cache, at::Tensor tables, at::Tensor widx,
                                       int64_t kv_len, c10::optional<at::Tensor> mask, bool causal, double scale,
-                                      int64_t parallel_work, int64_t grain, int64_t tile) {
+                                      int64_t parallel_work, int64_t grain, int64_t tile,
+                                      c10::optional<at::Tensor> qk_norm) {
   TORCH_CHECK(ln.size() == 2 && w.size() == 4 && bits.size() == 4 && n.size() == 4 && heads.size() == 3,
               "decoder_layer: 2 norms, 4 linears, 3 head sizes");
   TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kBFloat16, "decoder_layer: h must be [B, Q, d] bfloat16");
@@ -844,6 +847,19 @@ std::vector<at::Tensor> decoder_layer(at::Tensor h, c10::optional<at::Tensor> x,
                                              : std::vector<at::Tensor>{h, rms_norm(h, ln[0], eps, vec)};
   auto qkv = linear(hn[1].view({T, d}), w[0], bits[0], n[0], grain, tile).contiguous();
   auto* pq = qkv.data_ptr<at::BFloat16>();
+  if (qk_norm.has_value() && qk_norm->defined()) {  // each q and k head normed in place by its own weight row
+    const at::Tensor wn = qk_norm->contiguous();
+    TORCH_CHECK(wn.scalar_type() == at::kBFloat16 && wn.dim() == 2 && wn.size(0) == H + Hkv && wn.size(1) == D,
+                "decoder_layer: qk_norm [H + Hkv, D] bfloat16");
+    const auto* pn = wn.data_ptr<at::BFloat16>();
+    std::vector<float> xf(D), sq(D);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hh = 0; hh < H + Hkv; ++hh) {
+        at::BFloat16* row = pq + (t * (H + 2 * Hkv) + hh) * D;
+        widen_row(row, xf.data(), D);
+        norm_row(xf.data(), sq.data(), pn + hh * D, row, D, static_cast<float>(eps), vec);
+      }
+  }
   TORCH_CHECK(cos.dim() == 4 && cos.sizes() == sin.sizes() && cos.size(-1) == D &&
                   (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == Q,
               "decoder_layer: cos, sin [B or 1, Q, 1, D]");
@@ -1067,47 +1083,139 @@ struct ChunkTop {
   std::vector<int64_t> i;
 };
 
+// base logits v .. v + 15 (0 past V)
+inline v16s base16(const float* base, int64_t v, int64_t V) {
+  v16s b;
+  if (v + 16 <= V) {
+    std::memcpy(&b, base + v, sizeof(b));
+  } else {
+    for (int j = 0; j < 16; ++j) b[j] = v + j < V ? base[v + j] : 0.0f;
+  }
+  return b;
+}
+
+// the logits l = (b + bias) / t of one node at draft ids v .. v + 15 into o (-inf past V: weight 0, never
+// chosen), and its running max
+inline void put_logits16(v16s l, int64_t v, int64_t V, float t, float* o, v16s* mx) {
+  if (t != 1.0f) l = l / t;
+  if (v + 16 > V)
+    for (int j = 0; j < 16; ++j) l[j] = v + j < V ? l[j] : -std::numeric_limits<float>::infinity();
+  std::memcpy(o, &l, sizeof(l));
+  *mx = l > *mx ? l : *mx;
+}
+
 // the logits (base + W2 emb_w) / t of WT nodes (emb: theirs, r each) at draft ids v .. v + 15 into
 // buf[w * n + (v - v0)], and their running maxima mx[w]: W2 read once for the WT nodes, whose sums stay
 // in registers (each node's products added in the order of j)
 template <int WT, typename T>
 inline void node_logits16(v16s b, const T* blk, const float* emb, int64_t r, int64_t v, int64_t V, int64_t v0,
                           float t, float* buf, int64_t n, v16s* mx) {
-  const float ninf = -std::numeric_limits<float>::infinity();
   v16s acc[WT];
   for (int w = 0; w < WT; ++w) acc[w] = v16s{};
   for (int64_t j = 0; j < r; ++j) {
     const v16s x = lanes16(blk + j * 16);
     for (int w = 0; w < WT; ++w) acc[w] += x * emb[w * r + j];
   }
-  for (int w = 0; w < WT; ++w) {
-    v16s l = b + acc[w];
-    if (t != 1.0f) l = l / t;
-    if (v + 16 > V)
-      for (int j = 0; j < 16; ++j) l[j] = v + j < V ? l[j] : ninf;  // the padding: weight 0, never chosen
-    std::memcpy(buf + w * n + (v - v0), &l, sizeof(l));
-    mx[w] = l > mx[w] ? l : mx[w];
+  for (int w = 0; w < WT; ++w) put_logits16(b + acc[w], v, V, t, buf + w * n + (v - v0), mx + w);
+}
+
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+// acc + the products of 16 lanes of bfloat16 pairs x (lane: W2[v, 2 j], W2[v, 2 j + 1]) with one pair e (two
+// bfloat16 values of a node's W1 row): one ``vdpbf16ps`` where AVX-512 BF16 is built (exact products,
+// float32 sums), else the same products in float32
+inline v16s dot_pairs16(v16s acc, v16u32 x, uint32_t e) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<v16s>(
+      _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
+                       reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(e)))));
+#else
+  const v16u32 lo = x << 16, hi = x & 0xffff0000u;
+  v16s a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, &hi, sizeof(b));
+  uint32_t e0 = e << 16, e1 = e & 0xffff0000u;
+  float f0, f1;
+  std::memcpy(&f0, &e0, sizeof(f0));
+  std::memcpy(&f1, &e1, sizeof(f1));
+  return acc + a * f0 + b * f1;
+#endif
+}
+
+// W2 v .. v + 16 NB - 1 times WT nodes' W1 rows over W2 packed in pairs of its columns, [Vp / 16, r / 2, 16]
+// pairs (``w2q``), the rows as pairs (``embp``, r / 2 each) -> sums[b * WT + w]: NB * WT independent sums hide
+// the product's latency. Not inlined: inside the chunk loop the compiler kept the sums in memory.
+template <int WT, int NB>
+__attribute__((noinline)) void pair_sums16(const uint32_t* w2q, const uint32_t* embp, int64_t rp, int64_t v,
+                                           v16s* sums) {
+  v16s acc[NB][WT];
+  for (int b = 0; b < NB; ++b)
+    for (int w = 0; w < WT; ++w) acc[b][w] = v16s{};
+  const uint32_t* blk = w2q + (v / 16) * rp * 16;
+  for (int64_t j = 0; j < rp; ++j) {
+    uint32_t e[WT];
+    for (int w = 0; w < WT; ++w) e[w] = embp[w * rp + j];
+    for (int b = 0; b < NB; ++b) {
+      v16u32 x;
+      std::memcpy(&x, blk + (b * rp + j) * 16, sizeof(x));
+      for (int w = 0; w < WT; ++w) acc[b][w] = dot_pairs16(acc[b][w], x, e[w]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int w = 0; w < WT; ++w) sums[b * WT + w] = acc[b][w];
+}
+
+// node_logits16 over the pair layout for NB blocks of 16 draft ids from v at once (pair_sums16)
+template <int WT, int NB>
+inline void pair_logits16(const float* base, const uint32_t* w2q, const uint32_t* embp, int64_t rp, int64_t v,
+                          int64_t V, int64_t v0, float t, float* buf, int64_t n, v16s* mx) {
+  v16s sums[NB * WT];
+  pair_sums16<WT, NB>(w2q, embp, rp, v, sums);
+  for (int b = 0; b < NB; ++b) {
+    const int64_t vb = v + 16 * b;
+    const v16s bb = base16(base, vb, V);
+    for (int w = 0; w < WT; ++w) put_logits16(bb + sums[b * WT + w], vb, V, t, buf + w * n + (vb - v0), mx + w);
   }
 }
 
+// the pair kernel's blocks v0 .. v1 for WT nodes: NB blocks at a time (more for fewer nodes), then one
+template <int WT>
+inline void pair_logits_range(const float* base, const uint32_t* w2q, const uint32_t* embp, int64_t rp, int64_t v0,
+                              int64_t v1, int64_t V, int64_t c0, float t, float* buf, int64_t n, v16s* mx) {
+  constexpr int NB = WT <= 2 ? 4 : 2;
+  int64_t v = v0;
+  for (; v + 16 * NB <= v1; v += 16 * NB) pair_logits16<WT, NB>(base, w2q, embp, rp, v, V, c0, t, buf, n, mx);
+  for (; v < v1; v += 16) pair_logits16<WT, 1>(base, w2q, embp, rp, v, V, c0, t, buf, n, mx);
+}
+
 // chunk [v0, v1) of the logits of W nodes: (base + W2 emb_w) / t, W2 packed in blocks of 16 rows
-// [Vp / 16, r, 16]; out[w] gets the chunk's max, exp-sum and top k. Nodes go four at a time.
+// [Vp / 16, r, 16] (``w2p``), or in pairs of columns (``w2q``, bfloat16 rows with ``embp``: the nodes' W1
+// rows as bfloat16 pairs); out[w] gets the chunk's max, exp-sum and top k. Nodes go four at a time.
 template <typename T>
-void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, int64_t r, int64_t V, int64_t v0,
-                  int64_t v1, float t, int64_t k, ChunkTop* out) {
+void search_chunk(const float* base, const T* w2p, const uint32_t* w2q, const float* emb, const uint32_t* embp,
+                  int64_t W, int64_t r, int64_t V, int64_t v0, int64_t v1, float t, int64_t k, ChunkTop* out) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t n = v1 - v0;
   std::vector<float> buf(W * n);
   for (int64_t w = 0; w < W; ++w)
     out[w] = ChunkTop{ninf, 0.0, std::vector<float>(k, ninf), std::vector<int64_t>(k, -1)};
   std::vector<v16s> mx(W, v16s{} + ninf);
-  for (int64_t v = v0; v < v1; v += 16) {
-    v16s b;
-    if (v + 16 <= V) {
-      std::memcpy(&b, base + v, sizeof(b));
-    } else {
-      for (int j = 0; j < 16; ++j) b[j] = v + j < V ? base[v + j] : 0.0f;
+  if (w2q != nullptr) {  // the pair layout: all of the chunk for up to four nodes at a time
+    const int64_t rp = r / 2;
+    for (int64_t w0 = 0; w0 < W; w0 += 4) {
+      const uint32_t* e = embp + w0 * rp;
+      float* o = buf.data() + w0 * n;
+      v16s* m = mx.data() + w0;
+      switch (std::min<int64_t>(4, W - w0)) {
+        case 1: pair_logits_range<1>(base, w2q, e, rp, v0, v1, V, v0, t, o, n, m); break;
+        case 2: pair_logits_range<2>(base, w2q, e, rp, v0, v1, V, v0, t, o, n, m); break;
+        case 3: pair_logits_range<3>(base, w2q, e, rp, v0, v1, V, v0, t, o, n, m); break;
+        default: pair_logits_range<4>(base, w2q, e, rp, v0, v1, V, v0, t, o, n, m); break;
+      }
     }
+  }
+  for (int64_t v = v0; v < v1 && w2q == nullptr; v += 16) {  // whole columns: a block of 16 ids at a time
+    const v16s b = base16(base, v, V);
     const T* blk = w2p + (v / 16) * r * 16;
     for (int64_t w0 = 0; w0 < W; w0 += 4) {
       const float* e = emb + w0 * r;
@@ -1127,9 +1235,10 @@ void search_chunk(const float* base, const T* w2p, const float* emb, int64_t W, 
 }
 
 template <typename T>
-void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, int64_t r, int64_t V,
-                int64_t g, float t, const float* conf_a, const float* conf_we, const float* ctemps, int64_t topk,
-                int64_t beam, int64_t* tok_out, int64_t* par_out, float* score_out) {
+void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, const uint32_t* w2q,
+                int64_t r, int64_t V, int64_t g, float t, const float* conf_a, const float* conf_we,
+                const float* ctemps, int64_t topk, int64_t beam, int64_t* tok_out, int64_t* par_out,
+                float* score_out) {
   const int64_t kk = std::min(topk, V), Vp = (V + 15) / 16 * 16;
   const int64_t nchunks = (Vp + kSearchChunk - 1) / kSearchChunk;
   std::vector<int64_t> prev{-1}, fidx{-1};  // -1: the anchor (its W1 row given)
@@ -1141,10 +1250,14 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
     for (int64_t w = 0; w < W; ++w)
       for (int64_t j = 0; j < r; ++j)
         emb[w * r + j] = prev[w] < 0 ? anchor_emb[j] : static_cast<float>(w1[prev[w] * r + j]);
+    std::vector<uint32_t> embp(w2q != nullptr ? W * r / 2 : 0);  // the pair kernel's W1 rows, bfloat16 pairs
+    for (size_t i = 0; i < embp.size(); ++i)
+      embp[i] = static_cast<uint32_t>(c10::BFloat16(emb[2 * i]).x) |
+                (static_cast<uint32_t>(c10::BFloat16(emb[2 * i + 1]).x) << 16);
     std::vector<ChunkTop> parts(nchunks * W);
     auto run = [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c)
-        search_chunk(base + d * V, w2p, emb.data(), W, r, V, c * kSearchChunk,
+        search_chunk(base + d * V, w2p, w2q, emb.data(), embp.data(), W, r, V, c * kSearchChunk,
                      std::min(Vp, (c + 1) * kSearchChunk), t, kk, parts.data() + c * W);
     };
     if (nchunks > 1 && at::get_num_threads() > 1 && !at::in_parallel_region())
@@ -1207,7 +1320,9 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
 // A whole draft-tree search (drafting.draft_trees) for a vanilla Markov head in one call: base [B, g, V]
 // float32 logits of each depth; anchor_emb [B, r] float32: W1 of each row's anchor; w1 [V, r]: the W1
 // rows of the draft vocabulary (indexed by draft id), w2p [ceil(V / 16), r, 16]: W2 in blocks of 16
-// draft ids (zero padded), both float32 or bfloat16; t [B] float32 temperatures (1 for greedy rows);
+// draft ids (zero padded), both float32 or bfloat16, or (bfloat16, r even) w2p [ceil(V / 16), r / 2, 16, 2]:
+// W2's columns in pairs, read by ``vdpbf16ps`` where AVX-512 BF16 is built (the products exact, summed
+// two at a time in float32); t [B] float32 temperatures (1 for greedy rows);
 // conf_a [B, g] (the confidence logit's hidden part, its bias included) and conf_we [r] (its W1 part),
 // or undefined; conf_rows [B] bool: the rows scored by the confidence head; ctemps [g]
 // -> (draft ids, parents, scores), each [B, C], in draft_trees' layout.
@@ -1222,8 +1337,11 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
   TORCH_CHECK(w1.scalar_type() == w2p.scalar_type() &&
                   (w1.scalar_type() == at::kFloat || w1.scalar_type() == at::kBFloat16),
               "tree_search: w1 and w2p must both be float32 or bfloat16");
-  TORCH_CHECK(w2p.dim() == 3 && w2p.size(0) * 16 >= V && w2p.size(1) == r && w2p.size(2) == 16,
-              "tree_search: w2p must be [ceil(V / 16), r, 16]");
+  const bool pairs = w2p.dim() == 4;
+  TORCH_CHECK(pairs ? w2p.scalar_type() == at::kBFloat16 && r % 2 == 0 && w2p.size(0) * 16 >= V &&
+                          w2p.size(1) * 2 == r && w2p.size(2) == 16 && w2p.size(3) == 2
+                    : w2p.dim() == 3 && w2p.size(0) * 16 >= V && w2p.size(1) == r && w2p.size(2) == 16,
+              "tree_search: w2p must be [ceil(V / 16), r, 16] or (bfloat16) [ceil(V / 16), r / 2, 16, 2]");
   w1 = w1.contiguous();
   w2p = w2p.contiguous();
   auto an = anchor_emb.to(at::kFloat).contiguous();
@@ -1258,12 +1376,15 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
     int64_t* po = tok.data_ptr<int64_t>() + b * C;
     int64_t* pp = par.data_ptr<int64_t>() + b * C;
     float* ps = score.data_ptr<float>() + b * C;
-    if (w1.scalar_type() == at::kFloat)
-      search_row(pb, pe, w1.data_ptr<float>(), w2p.data_ptr<float>(), r, V, g, tb, pa, pw, ct.data_ptr<float>(), topk,
-                 beam, po, pp, ps);
-    else
-      search_row(pb, pe, w1.data_ptr<at::BFloat16>(), w2p.data_ptr<at::BFloat16>(), r, V, g, tb, pa, pw,
-                 ct.data_ptr<float>(), topk, beam, po, pp, ps);
+    const float* cts = ct.data_ptr<float>();
+    if (w1.scalar_type() == at::kFloat) {
+      search_row(pb, pe, w1.data_ptr<float>(), w2p.data_ptr<float>(), nullptr, r, V, g, tb, pa, pw, cts, topk, beam,
+                 po, pp, ps);
+    } else {
+      const at::BFloat16* w2 = w2p.data_ptr<at::BFloat16>();
+      search_row(pb, pe, w1.data_ptr<at::BFloat16>(), w2, pairs ? reinterpret_cast<const uint32_t*>(w2) : nullptr, r,
+                 V, g, tb, pa, pw, cts, topk, beam, po, pp, ps);
+    }
   }
   return {tok, par, score};
 }
@@ -1340,6 +1461,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_gemm", &group_gemm, "x W^T for W in 4- or 8-bit groups of 32 (layers.quant.pack_groups), bfloat16");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2 n] bfloat16 (gate | up), as torch computes it");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of float32 [A, R, n] with contiguous rows");
-  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer, bfloat16, group-quantized linears, batch-invariant attention");
+  m.def("decoder_layer", &decoder_layer,
+        "a Llama / Qwen3 decoder layer, bfloat16, group-quantized linears, batch-invariant attention");
   m.def("group_gemm_available", &group_gemm_available, "whether this build has group_gemm");
 }

@@ -45,3 +45,10 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     if (ops := _bf16_norm_op(x, weight)) is not None:
         return ops.rms_norm(x, weight, eps, cpu_ops.norm_vec_width())
     return weight * F.rms_norm(x, weight.shape[-1:], None, eps)
+
+
+def stack_head_norms(q_norm: RMSNorm, num_q_heads: int, k_norm: RMSNorm, num_kv_heads: int) -> torch.Tensor:
+    """The weight ``rms_norm_heads`` takes for the q and k heads side by side: ``q_norm``'s for each of the
+    query heads stacked over ``k_norm``'s for each key head, [num_q_heads + num_kv_heads, D]."""
+    D = q_norm.weight.shape[0]
+    return torch.cat([q_norm.weight.data.expand(num_q_heads, D), k_norm.weight.data.expand(num_kv_heads, D)])

@@ -14,7 +14,7 @@ from specserve.layers import cpu_ops
 from specserve.layers.attention import Attention, ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from specserve.layers.norm import RMSNorm
+from specserve.layers.norm import RMSNorm, stack_head_norms
 from specserve.layers.quant import GROUP_GRAIN, GROUP_TILE
 from specserve.layers.rotary import RotaryEmbedding, rotate_
 
@@ -79,22 +79,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def one_call(self, ops, ctx, cache) -> tuple | None:
         """The arguments of the C++ ``decoder_layer`` (the whole layer in one call) where it computes this
-        layer: bfloat16, every linear through ``GroupKernel`` without bias, no q/k norms, the batch-invariant
-        attention op over a cache; else None. The weights part is made once."""
+        layer: the batch-invariant attention op over a cache, and weights ``layer_call_weights`` takes; else
+        None. The weights part is made once."""
         at = self.self_attn
-        if (cache is None or not at.attn.batch_invariant or at.q_norm is not None
-                or at.attn._ops(cache, ctx.mask) is None):
+        if cache is None or not at.attn.batch_invariant or at.attn._ops(cache, ctx.mask) is None:
             return None
         if self._one_call is None:
-            lins = (at.qkv_proj, at.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-            ks = [lin.qkernel for lin in lins]
-            if (not hasattr(ops, "decoder_layer") or any(getattr(k, "ops", None) is not ops for k in ks)
-                    or any(lin.bias is not None or lin.tp_size > 1 or lin.row_block for lin in lins)):
-                self._one_call = ()
-            else:
-                self._one_call = ([self.input_layernorm.weight, self.post_attention_layernorm.weight],
-                                  self.input_layernorm.eps, [k.weight for k in ks], [k.bits for k in ks],
-                                  [k.out_features for k in ks], [at.h, at.hkv, at.d], at.attn.scale)
+            self._one_call = layer_call_weights(ops, self.input_layernorm, self.post_attention_layernorm,
+                                                (at.qkv_proj, at.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj),
+                                                (at.h, at.hkv, at.d), at.attn.scale, at.q_norm, at.k_norm)
         return self._one_call or None
 
     _one_call = None  # ``one_call``'s weights part, () where the layer does not qualify
@@ -117,12 +110,29 @@ class LlamaDecoderLayer(nn.Module):
         return h, self.mlp.forward(normed)
 
 
+def layer_call_weights(ops, input_norm: RMSNorm, post_norm: RMSNorm, lins: tuple, heads: tuple, scale: float,
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> tuple:
+    """The weights part of the C++ ``decoder_layer``'s arguments for a decoder layer (the two norms, the
+    qkv, o, gate_up and down linears, (H, Hkv, D), the attention scale, Qwen3's q/k norms or None), or ()
+    where it cannot compute the layer: a linear not through ``ops``' ``GroupKernel``, with a bias, split
+    over ranks or in row blocks, or q/k norms with another eps than the layer norms'."""
+    ks = [lin.qkernel for lin in lins]
+    eps = input_norm.eps
+    if (not hasattr(ops, "decoder_layer") or any(getattr(k, "ops", None) is not ops for k in ks)
+            or any(lin.bias is not None or lin.tp_size > 1 or lin.row_block for lin in lins)
+            or post_norm.eps != eps or (q_norm is not None and not q_norm.eps == k_norm.eps == eps)):
+        return ()
+    qk_norm = None if q_norm is None else stack_head_norms(q_norm, heads[0], k_norm, heads[1])
+    return ([input_norm.weight, post_norm.weight], eps, [k.weight for k in ks], [k.bits for k in ks],
+            [k.out_features for k in ks], list(heads), scale, qk_norm)
+
+
 def decoder_layer_call(ops, one: tuple, vec: int, h, x, cos, sin, ctx, cache):
     """The C++ ``decoder_layer`` on a layer's ``one_call`` arguments and this forward's inputs."""
-    norms, eps, weights, bits, n, heads, scale = one
+    norms, eps, weights, bits, n, heads, scale, qk_norm = one
     return ops.decoder_layer(h, x, norms, eps, vec, weights, bits, n, heads, cos, sin, cache, ctx.tables,
                              ctx.write_idx, ctx.kv_len, ctx.mask, ctx.is_causal, scale, cpu_ops.PARALLEL_WORK,
-                             GROUP_GRAIN, GROUP_TILE)
+                             GROUP_GRAIN, GROUP_TILE, qk_norm)
 
 
 class LlamaModel(nn.Module):

@@ -560,6 +560,14 @@ def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
         assert torch.equal(one.depth, loop.depth)
         torch.testing.assert_close(one.scores, loop.scores, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
                                    atol=1e-5 if dtype == torch.bfloat16 else 1e-6)  # the loop rounds to bfloat16
+        w1d, w2p = head.search_pack
+        assert w2p.dim() == (4 if dtype == torch.bfloat16 else 3)  # bfloat16: W2's columns in pairs
+        if dtype == torch.bfloat16:  # the op also reads W2 as 16-id blocks of whole columns: the same tree
+            cols = w2p.permute(0, 1, 3, 2).reshape(w2p.shape[0], r, 16).contiguous()
+            head.search_pack = (w1d, cols)
+            by_cols = draft_trees(lambda h: base, hidden, [11, 3999], head, **kw)
+            assert torch.equal(by_cols.tokens, one.tokens) and torch.equal(by_cols.parents, one.parents)
+            torch.testing.assert_close(by_cols.scores, one.scores, rtol=1e-5, atol=1e-7)
         trees.append(one)
     assert trees[0].tokens[0, :3].tolist() == to_target[[7, 1500, 2500]].tolist()
 
@@ -692,6 +700,62 @@ def test_block_forward_cache_equals_direct_and_is_non_causal(fused):
     torch.testing.assert_close(m.forward_block_embeds(x, n_ctx, cache), out)
     with pytest.raises(ValueError):
         cache.crop(n_ctx + 1)
+
+
+def test_block_forward_in_layer_calls_equals_op_by_op(monkeypatch):
+    """A quantized bfloat16 drafter (what the drafting worker runs beside a GGUF target) computes each
+    layer of a one-sequence block forward in one C++ ``decoder_layer`` call: the block's keys and values
+    written past the cache's end, never kept. Its hidden states are the layers' op by op up to the
+    attention's float rounding, also with context entries hidden (at or after the anchor), while the
+    cache grows, and after the scratch entries were written (the kept ones unchanged)."""
+    from specserve.spec_decode.dspark.proposer import quantize_drafter
+
+    ops = cpu_ops.get()
+    if ops is None or not ops.group_gemm_available():
+        pytest.skip("the C++ group kernel did not build here")
+    d = 64  # inputs of more than one group of 32 (one group would be quantized per channel: not the kernel's)
+    cfg = small_cfg(hidden_size=d, head_dim=16, intermediate_size=128)
+    m = DFlashDrafter(cfg, dtype=torch.bfloat16)
+    m.load_state({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in random_state(cfg, 5).items()})
+    m.fuse_projections()
+    quantize_drafter(m, "int8")
+    assert m._layer_calls(ops) is not None
+    g = torch.Generator().manual_seed(6)
+    feats = torch.randn(12, len(LAYER_IDS) * d, generator=g).to(torch.bfloat16)
+    x = torch.randn(BLOCK, d, generator=g).to(torch.bfloat16)
+    cache = m.new_cache(capacity=2)
+    ran = []
+    real = m._forward_in_layer_calls
+
+    def spy(*a):
+        out = real(*a)
+        ran.append(out is not None)
+        return out
+
+    def op_by_op():
+        with monkeypatch.context() as mp:
+            mp.setattr(m, "_layer_calls", lambda ops: None)
+            return m.forward_block_embeds(x, 9, cache)
+
+    monkeypatch.setattr(m, "_forward_in_layer_calls", spy)
+    for n in (3, 9, 12):  # the context grows; at 12 entries the last three are at or after the anchor (hidden)
+        cache.extend(feats[len(cache) : n], torch.arange(len(cache), n))
+        kept = cache.kv[..., :n, :].clone()
+        one = m.forward_block_embeds(x, 9, cache)
+        assert torch.equal(cache.kv[..., :n, :], kept) and len(cache) == n
+        assert cache.capacity >= n + BLOCK
+        want = op_by_op()
+        assert one.shape == want.shape == (BLOCK, d) and one.dtype == torch.bfloat16
+        torch.testing.assert_close(one.float(), want.float(), rtol=0.05, atol=0.05)
+        assert (one.float() - want.float()).abs().mean() < 0.01
+        assert torch.equal(m.forward_block_embeds(x, 9, cache), one)
+    assert ran == [True, False, True] * 3  # each one-call forward and its repeat; op by op between
+    hidden_ctx = cache.kv[..., 9:12, :].clone()
+    cache.kv[..., 9:12, :] = 0  # hidden entries: not read
+    assert torch.equal(m.forward_block_embeds(x, 9, cache), one)
+    cache.kv[..., 9:12, :] = hidden_ctx
+    cache.kv[..., 0, :] = 0  # a visible entry: read
+    assert not torch.equal(m.forward_block_embeds(x, 9, cache), one)
 
 
 @pytest.mark.parametrize("attention_bias, packed", [(False, True), (True, False), (True, True)])

@@ -189,14 +189,17 @@ def test_make_kernel_takes_torch_kernels_where_the_group_kernel_cannot():
 
 
 @needs_group_kernel
-@pytest.mark.parametrize("head_size", [16, 64])
-def test_decoder_layer_in_one_call_keeps_the_bits(tiny_llama, tmp_path, head_size):
+@pytest.mark.parametrize("kind, head_size", [("llama", 16), ("llama", 64), ("qwen3", 32)])
+def test_decoder_layer_in_one_call_keeps_the_bits(tiny_llama, tmp_path, kind, head_size):
     """The C++ ``decoder_layer`` (a whole layer in one call) against the same layer op by op: the same
     logits bit for bit for a prefill, a chain, a tree and a batch of two; heads of 16 (the rotary's
-    scalar loop) and of 64 (its vector path, as the default model's)."""
+    scalar loop) and of 64 (its vector path, as the default model's), and Qwen3's q/k norms."""
     from conftest import make_tiny_model
 
-    model = tiny_llama if head_size == 16 else make_tiny_model(tmp_path / "m", hidden_size=4 * head_size)
+    if kind == "qwen3":
+        model = make_tiny_model(tmp_path / "m", kind="qwen3")
+    else:
+        model = tiny_llama if head_size == 16 else make_tiny_model(tmp_path / "m", hidden_size=4 * head_size)
     runner = ModelRunner(model, max_num_seqs=2, quantization="int4")
     layers = runner.model.model.layers
     ops = cpu_ops.get()

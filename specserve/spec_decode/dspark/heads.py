@@ -60,7 +60,8 @@ class MarkovHead(nn.Module):
         """For inference: the weights of the C++ tree search (``drafting.draft_trees`` through
         ``cpu_ops.tree_search``, a vanilla head kept whole): W1's rows of the draft vocabulary (``to_target``:
         each draft id's target id; None: the same vocabulary) and W2 in blocks of 16 draft ids, [ceil(V /
-        16), r, 16], copies taken now (call before the head's weights are quantized)."""
+        16), r, 16], or for bfloat16 weights of an even rank its columns in pairs, [ceil(V / 16), r / 2, 16, 2]
+        (what ``vdpbf16ps`` reads), copies taken now (call before the head's weights are quantized)."""
         dtype = self.markov_w2.weight.dtype
         if self.head_type != "vanilla" or self.sharded or dtype not in (torch.float32, torch.bfloat16):
             return  # (the op reads float32 or bfloat16 weights)
@@ -70,7 +71,11 @@ class MarkovHead(nn.Module):
         w2 = self.markov_w2.weight.detach()[:V]
         Vp = (V + 15) // 16 * 16
         w2 = torch.cat([w2, w2.new_zeros(Vp - V, r)]) if Vp > V else w2
-        self.search_pack = (w1d, w2.reshape(Vp // 16, 16, r).transpose(1, 2).contiguous())
+        if dtype == torch.bfloat16 and r % 2 == 0:
+            w2 = w2.reshape(Vp // 16, 16, r // 2, 2).transpose(1, 2)
+        else:
+            w2 = w2.reshape(Vp // 16, 16, r).transpose(1, 2)
+        self.search_pack = (w1d, w2.contiguous())
 
     def prev_embeddings(self, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """W1[x] for target-vocab ids [...] -> [..., r]."""

@@ -12,7 +12,10 @@ absolute position ``p`` (the target's last sampled "bonus" token):
 * the block input is ``[embed(anchor), embed(mask) x (B-1)]`` at positions ``p .. p+B-1``, with the
   TARGET's embedding (``embed_fn``; never copied into the drafter);
 * every layer attends from the block to ``[context ; block]`` (context strictly before ``p``, the
-  block bidirectionally: no causal mask inside the block);
+  block bidirectionally: no causal mask inside the block); a quantized bfloat16 drafter on the CPU (the
+  drafting worker's beside a GGUF target) runs each layer of a one-sequence block in one C++
+  ``decoder_layer`` call (the target's, with Qwen3's q/k norms), the block's K/V written past the
+  cache's end and never kept;
 * the final-normed block hidden states give the draft slots: **anchor-first** (DSpark,
   ``sample_from_anchor=True``): all B slots, slot k predicts position ``p+k+1``; **mask-only**
   (DFlash, ``sample_from_anchor=False``): slots 1..B-1, slot k predicts position ``p+k`` (the anchor
@@ -40,6 +43,7 @@ shards it (``VocabParallelEmbedding`` W1 + gathered ``ParallelLMHead`` W2) for c
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -50,8 +54,9 @@ from specserve.distributed.parallel_state import TPGroup
 from specserve.layers import cpu_ops
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
 from specserve.layers.linear import ReplicatedLinear, ShapeMismatch, default_weight_loader
-from specserve.layers.norm import RMSNorm, rms_norm_heads
+from specserve.layers.norm import RMSNorm, rms_norm_heads, stack_head_norms
 from specserve.layers.rotary import RotaryEmbedding, apply_rotary
+from specserve.models.llama import decoder_layer_call, layer_call_weights
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.dspark.config import DSparkConfig
 from specserve.spec_decode.dspark.drafting import (
@@ -91,8 +96,7 @@ class DFlashAttention(nn.Module):
         same dot product; the norms are per head); the separate q/k/v weights are dropped, so a fused
         layer no longer trains or saves."""
         self.qkv_proj = ReplicatedLinear.stacked([self.q_proj, self.k_proj, self.v_proj])
-        self.qk_norm_weight = torch.cat([self.q_norm.weight.data.expand(self.H, self.D),
-                                         self.k_norm.weight.data.expand(self.Hkv, self.D)])
+        self.qk_norm_weight = stack_head_norms(self.q_norm, self.H, self.k_norm, self.Hkv)
         self.q_proj = self.k_proj = self.v_proj = None
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -155,12 +159,23 @@ class DFlashDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def call_weights(self, ops) -> tuple:
+        """``layer_call_weights`` of this layer once fused (``DFlashAttention.fuse``, ``DFlashMLP.fuse``), else ()."""
+        at, mlp = self.self_attn, self.mlp
+        if at.qkv_proj is None or mlp.gate_up_proj is None:
+            return ()
+        return layer_call_weights(ops, self.input_layernorm, self.post_attention_layernorm,
+                                  (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj), (at.H, at.Hkv, at.D),
+                                  at.scale, at.q_norm, at.k_norm)
+
 
 class DraftCache:
     """The drafter's KV cache of ONE sequence: per draft layer, the projected K/V of the context
-    features at their absolute positions. ``extend`` projects only the new rows; ``crop(n)`` keeps the
-    first n entries (rollback). The block's own K/V are never stored (each step recomputes them), so
-    nothing needs cropping after a block forward."""
+    features at their absolute positions, ``kv`` [num_layers, 2, Hkv, capacity, D] (a layer's entry is
+    the one-block pool the C++ ``decoder_layer`` reads; the capacity a power of two). ``extend`` projects
+    only the new rows; ``crop(n)`` keeps the first n entries (rollback). The block's own K/V are never
+    kept (each step recomputes them; the one-call forward writes them past the end), so nothing needs
+    cropping after a block forward."""
 
     def __init__(self, drafter: "DFlashDrafter", capacity: int = 64):
         cfg = drafter.cfg
@@ -169,17 +184,32 @@ class DraftCache:
         p = next(drafter.parameters())
         self._shape = (cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim)
         self._dtype, self._device = p.dtype, p.device
+        self.kv = None
         self._alloc(max(1, capacity))
 
     def _alloc(self, cap: int) -> None:
         L, Hkv, D = self._shape
-        k = torch.zeros(L, Hkv, cap, D, dtype=self._dtype, device=self._device)
-        v = torch.zeros_like(k)
+        cap = 1 << (cap - 1).bit_length()
+        kv = torch.zeros(L, 2, Hkv, cap, D, dtype=self._dtype, device=self._device)
         pos = torch.zeros(cap, dtype=torch.long, device=self._device)
-        if getattr(self, "k", None) is not None and self.length:
+        if self.kv is not None and self.length:
             n = self.length
-            k[:, :, :n], v[:, :, :n], pos[:n] = self.k[:, :, :n], self.v[:, :, :n], self._pos[:n]
-        self.k, self.v, self._pos = k, v, pos
+            kv[..., :n, :], pos[:n] = self.kv[..., :n, :], self._pos[:n]
+        self.kv, self._pos = kv, pos
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` entries (the capacity doubled as needed), the kept ones unchanged."""
+        if n > self.capacity:
+            self._alloc(max(n, 2 * self.capacity))
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Keys [num_layers, Hkv, capacity, D] (a view)."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
 
     @property
     def capacity(self) -> int:
@@ -203,8 +233,7 @@ class DraftCache:
         if positions.numel() != n:
             raise ValueError(f"{n} feature rows but {positions.numel()} positions")
         k, v = self.drafter.project_context(features, positions)
-        if self.length + n > self.capacity:
-            self._alloc(max(self.length + n, 2 * self.capacity))
+        self.reserve(self.length + n)
         a, b = self.length, self.length + n
         self.k[:, :, a:b] = k
         self.v[:, :, a:b] = v
@@ -330,6 +359,8 @@ class DFlashDrafter(nn.Module):
         entries of its own cache at positions < its start and its own block, bidirectionally."""
         S, B = x.shape[:2]
         x = x.to(device=self.norm.weight.device, dtype=self.norm.weight.dtype)
+        if S == 1 and (out := self._forward_in_layer_calls(x, int(start_pos[0]), caches[0])) is not None:
+            return out
         dev = x.device
         starts = torch.as_tensor(list(start_pos), dtype=torch.long, device=dev).reshape(S)
         pos = starts.unsqueeze(1) + torch.arange(B, device=dev)
@@ -356,6 +387,43 @@ class DFlashDrafter(nn.Module):
             mask = torch.cat([visible.unsqueeze(1).expand(S, B, n),
                               visible.new_ones(S, B, B)], dim=-1).unsqueeze(1)  # [S, 1, B, n + B]
         return self._decode(x, cos, sin, kv, mask)
+
+    _calls = None  # (ops, the first layer's qkv kernel, each layer's ``call_weights`` or None)
+
+    def _layer_calls(self, ops) -> list | None:
+        """Each layer's ``call_weights`` where the C++ ``decoder_layer`` computes every layer (a fused
+        bfloat16 drafter whose linears run through ``ops``' group kernel: a quantized drafter), else None;
+        made once (again when the layers' kernels change)."""
+        first = getattr(self.layers[0].self_attn.qkv_proj, "qkernel", None) if len(self.layers) else None
+        if self._calls is None or self._calls[0] is not ops or self._calls[1] is not first:
+            calls = [layer.call_weights(ops) for layer in self.layers]
+            ok = calls and all(calls) and self.norm.weight.dtype == torch.bfloat16
+            self._calls = (ops, first, calls if ok else None)
+        return self._calls[2]
+
+    def _forward_in_layer_calls(self, x: torch.Tensor, start: int, cache: DraftCache) -> torch.Tensor | None:
+        """``forward_blocks`` of one block x [1, B, d] (bfloat16, CPU) with each layer in one C++
+        ``decoder_layer`` call, or None where it cannot (``_layer_calls``). The block's own keys and values
+        go to ``cache`` past its end (scratch, not kept) and the block attends to the cache and itself."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or (ops := cpu_ops.active()) is None:
+            return None
+        calls = self._layer_calls(ops)
+        if calls is None:
+            return None
+        n, B = len(cache), x.shape[1]
+        cache.reserve(n + B)
+        visible = cache.positions < start
+        mask = None
+        if n and not bool(visible.all()):
+            mask = torch.cat([visible, visible.new_ones(B)]).view(1, 1, 1, n + B)
+        ctx = SimpleNamespace(tables=torch.zeros(1, 1, dtype=torch.long),
+                              write_idx=torch.arange(n, n + B).view(1, B), kv_len=n + B, mask=mask, is_causal=False)
+        cos, sin = self.rotary.rotation((start, start + B), x.dtype)
+        vec = cpu_ops.norm_vec_width()
+        h, out = x.contiguous(), None
+        for i, one in enumerate(calls):
+            h, out = decoder_layer_call(ops, one, vec, h, out, cos, sin, ctx, cache.kv[i].unsqueeze(0))
+        return ops.add_rms_norm(h, out, self.norm.weight, self.norm.eps, vec)[1]
 
     def forward_anchored_blocks(self, x: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The training shape: N blocks of each of S sequences over its whole context, in one differentiable
