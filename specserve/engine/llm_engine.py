@@ -262,6 +262,7 @@ class LLMEngine:
         if not seqs:
             return
         drafts = self._propose(seqs, budgets)
+        t_verify = time.perf_counter()
         batch = forward_inputs(seqs, drafts)
         out = self.runner.forward(0, batch.tokens, batch.starts, "all", aux_layers=self.proposer.aux_layers,
                                   tree_mask=batch.tree_mask, positions=batch.positions,
@@ -270,8 +271,11 @@ class LLMEngine:
         emitted = self._commit(seqs, drafts, batch, out, results)
         self.stats.verified_tokens += sum(len(t) for t in batch.tokens)
         self.stats.decode_steps += 1
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
         self.stats.decode_s += seconds
+        if len(seqs) == 1:  # what verifying that many tokens costs in the engine (the drafter's cost model)
+            self.proposer.step_cost(len(batch.tokens[0]), t1 - t_verify)
         if self.gate is not None and (any(budgets) or not drafting):  # a step that could draft, or chose not to
             self.gate.record(len(seqs), drafting, emitted, seconds)
 

@@ -251,6 +251,60 @@ class DraftGate:
         self._state.pop(seq_id, None)
 
 
+def running_mean(prev: tuple[int, float] | None, x: float, min_count: int, weight: float) -> tuple[int, float]:
+    """(count, mean) after ``x``: a plain mean of the first ``min_count`` values, then an exponential one
+    (``weight`` for the new value), so that it follows a machine whose speed drifts."""
+    n, m = prev or (0, 0.0)
+    m = m + (x - m) / (n + 1) if n < min_count else m + weight * (x - m)
+    return n + 1, m
+
+
+class StepCosts:
+    """What verifying n tokens costs inside the engine, as a correction to the start-up table of bare
+    target forwards (``ModelDrafter.verify_cost``). The table times one forward of n tokens again and
+    again before any request runs; a step in the engine also builds the inputs, verifies, commits and
+    projects the target's features, and on a shared or throttled machine the forward of several tokens
+    (bound by arithmetic, where one token is bound by memory) drifts far from the table: on this
+    project's CPU the table read the second and third tokens as nearly free while the engine paid
+    several times that for each, so the cost models verified and drafted more than paid.
+
+    ``observe(n, seconds, table)``: a step verified n tokens in ``seconds`` (drafting excluded) where the
+    table says ``table``; per n, the running mean (``running_mean``) of the difference, each clipped to
+    -table / 2 .. +table (a pause of the process, a collection of garbage: one such step would move a
+    mean of a few steps by many milliseconds). ``corrections``:
+    the difference for every token count, linear between the counts seen at least ``min_steps`` times,
+    from 0 at no tokens up to the first (a count below every one seen is corrected less, never more: a
+    plain step is not made dearer by what trees cost) and flat past the last (none seen: 0). Lossless:
+    it reads earlier steps' times only."""
+
+    def __init__(self, min_steps: int = 8, weight: float = 0.1):
+        self.min_steps, self.weight = int(min_steps), float(weight)
+        self._diff: dict[int, tuple[int, float]] = {}  # token count -> (steps, running mean of the difference)
+
+    def observe(self, n: int, seconds: float, table: float) -> None:
+        diff = min(max(seconds - table, -0.5 * table), table)
+        self._diff[n] = running_mean(self._diff.get(n), diff, self.min_steps, self.weight)
+
+    def corrections(self, size: int) -> list[float]:
+        """The correction of every token count 0 .. size - 1."""
+        seen = sorted((n, m) for n, (c, m) in self._diff.items() if c >= self.min_steps)
+        if not seen:
+            return [0.0] * size
+        if seen[0][0] > 0:
+            seen.insert(0, (0, 0.0))
+        out, j = [], 0
+        for k in range(size):
+            while j + 1 < len(seen) and seen[j + 1][0] <= k:
+                j += 1
+            a, ma = seen[j]
+            if k <= a or j + 1 == len(seen):
+                out.append(ma)
+            else:
+                b, mb = seen[j + 1]
+                out.append(ma + (mb - ma) * (k - a) / (b - a))
+        return out
+
+
 class DraftCosts:
     """What one drafting call costs, by batch size, for the cost models: the start-up table
     (``interp_cost``; a call measured where none covers the batch), raised to the running mean of the
@@ -263,11 +317,8 @@ class DraftCosts:
         self._mean: dict[int, tuple[int, float]] = {}  # batch size -> (calls, running mean)
 
     def observe(self, batch: int, seconds: float) -> None:
-        """A drafting call of ``batch`` sequences took ``seconds`` in the engine: a plain mean of the
-        first ``min_calls``, then an exponential one (``weight``)."""
-        n, m = self._mean.get(batch, (0, 0.0))
-        m = m + (seconds - m) / (n + 1) if n < self.min_calls else m + self.weight * (seconds - m)
-        self._mean[batch] = (n + 1, m)
+        """A drafting call of ``batch`` sequences took ``seconds`` in the engine (``running_mean``)."""
+        self._mean[batch] = running_mean(self._mean.get(batch), seconds, self.min_calls, self.weight)
 
     def __call__(self, table: dict[int, float] | None, batch: int, measured: float) -> float:
         """Seconds of a drafting call of ``batch`` sequences (``measured``: this step's own)."""

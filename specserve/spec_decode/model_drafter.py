@@ -7,21 +7,25 @@ from __future__ import annotations
 import logging
 
 from specserve.sample.tree import TreeCache
-from specserve.spec_decode.cost_model import AcceptanceCalibration, choose_verify_lengths, interp_cost
+from specserve.spec_decode.cost_model import AcceptanceCalibration, StepCosts, choose_verify_lengths, interp_cost
 from specserve.spec_decode.proposer import Proposer, TreeDraft
 from specserve.spec_decode.tree_select import graft, split_items
 
 log = logging.getLogger("specserve.spec_decode")
 
 COST_TABLE_SIZE = 257  # token counts whose verify cost ``verify_cost`` keeps in a list
+REFRESH_STEPS = 8  # ``verify_cost`` takes the engine's step times (``step_cost``) in this often
 
 
 class ModelDrafter(Proposer):
     """Base of the drafters with a model of their own. ``verify_costs``: seconds of a target forward by
-    token count (set by ``measure_costs``); ``calibration``: the online correction of predicted
-    acceptance (``online_calibration``, in the "auto" modes)."""
+    token count (set by ``measure_costs``), corrected by the engine's own steps (``step_cost``);
+    ``calibration``: the online correction of predicted acceptance (``online_calibration``, in the
+    "auto" modes)."""
 
     def __init__(self, online_calibration: bool = True):
+        self.step_costs = StepCosts()
+        self._steps_seen = 0
         self.verify_costs = None
         self.online_calibration = bool(online_calibration)
         self.calibration: AcceptanceCalibration | None = None
@@ -44,11 +48,33 @@ class ModelDrafter(Proposer):
         self._verify_costs, self._cost_table = costs, None
 
     def verify_cost(self, n: int) -> float:
-        """Seconds of a target forward over ``n`` tokens, interpolated in ``verify_costs`` (a table of
-        the first ``COST_TABLE_SIZE`` counts made once: a step asks for many)."""
+        """Seconds of a step verifying ``n`` tokens: ``verify_costs`` interpolated, plus the engine's own
+        steps' correction (``cost_model.StepCosts``), never decreasing with n nor below half the table;
+        a list of the first ``COST_TABLE_SIZE`` counts, made again every ``REFRESH_STEPS`` steps timed (a
+        step asks for many)."""
         if self._cost_table is None:
-            self._cost_table = [interp_cost(self._verify_costs, k) for k in range(COST_TABLE_SIZE)]
-        return self._cost_table[n] if 0 <= n < COST_TABLE_SIZE else interp_cost(self._verify_costs, n)
+            corr = self.step_costs.corrections(COST_TABLE_SIZE)
+            table, run = [], 0.0
+            for k, c in enumerate(corr):
+                base = interp_cost(self._verify_costs, k)
+                run = max(run if k > 1 else 0.0, base + c, 0.5 * base)  # (no step verifies 0 tokens)
+                table.append(run)
+            self._cost_table = table
+        if 0 <= n < COST_TABLE_SIZE:
+            return self._cost_table[n]
+        # past the list: the table's own growth on the last entry (its correction carried)
+        return interp_cost(self._verify_costs, n) + (self._cost_table[-1] - interp_cost(self._verify_costs,
+                                                                                          COST_TABLE_SIZE - 1))
+
+    def step_cost(self, num_tokens: int, seconds: float) -> None:
+        """The engine verified ``num_tokens`` tokens of one sequence in ``seconds`` (its drafting excluded):
+        what ``verify_cost`` will correct the start-up table by."""
+        if self._verify_costs is None or num_tokens < 1:
+            return
+        self.step_costs.observe(num_tokens, seconds, interp_cost(self._verify_costs, num_tokens))
+        self._steps_seen += 1
+        if self._steps_seen % REFRESH_STEPS == 0:
+            self._cost_table = None
 
     def verify_counts(self, survival: list[list[float]], draft_cost: float = 0.0) -> list[int]:
         """How many of each request's scored nodes to verify (``cost_model.choose_verify_lengths``)."""

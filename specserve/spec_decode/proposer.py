@@ -92,6 +92,11 @@ class Proposer:
         if self.calibration is not None:
             self.calibration.observe(seq.seq_id, len(emitted) - 1)
 
+    def step_cost(self, num_tokens: int, seconds: float) -> None:
+        """Called after every decoding step of a single sequence: it verified ``num_tokens`` tokens (its
+        last one and the drafts) in ``seconds``, drafting excluded. A drafter with a cost model may
+        correct its step costs by it."""
+
     def propose(self, inputs: ProposeInputs) -> Proposal:
         return Proposal([[] for _ in inputs.seqs])
 

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftCosts, DraftGate, calibrated_lengths,
-                                              depth_sums, sampling_key)
+from specserve.spec_decode.cost_model import (AcceptanceCalibration, DraftCosts, DraftGate, StepCosts,
+                                              calibrated_lengths, depth_sums, sampling_key)
+from specserve.spec_decode.model_drafter import REFRESH_STEPS, ModelDrafter
 
 from test_dspark import write_random_drafter
 from test_medusa import make_heads
@@ -157,6 +158,62 @@ def test_draft_costs_rise_to_the_engines_calls_never_fall_below_the_table():
     costs.observe(1, 0.0)
     assert costs(table, 1, 9.0) == 2.0  # the mean (1.0) below the table: the table
     assert costs(table, 8, 0.7) == 0.7 and costs(None, 1, 0.7) == pytest.approx(1.0)
+
+
+def test_step_costs_correct_the_table_by_the_engines_steps():
+    """Per token count, the running mean of (step time - table), each clipped to -table / 2 .. +table,
+    counts once seen ``min_steps`` times; between them linear, from 0 at no tokens up to the first seen,
+    flat past the last."""
+    costs = StepCosts(min_steps=2, weight=0.5)
+    assert costs.corrections(4) == [0.0] * 4
+    costs.observe(3, 8.0, 5.0)
+    assert costs.corrections(4) == [0.0] * 4  # one step of 3 tokens: not yet
+    costs.observe(3, 4.0, 5.0)  # mean of +3 and -1
+    assert costs.corrections(6) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0, 1.0])
+    costs.observe(6, 60.0, 10.0)  # a pause: +50 clipped to +10 (the table)
+    costs.observe(6, 0.0, 10.0)  # -10 clipped to -5
+    assert costs.corrections(8) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.5, 2.0, 2.5, 2.5])
+    costs.observe(3, 9.0, 5.0)  # exponential now: 1 + 0.5 * (4 - 1)
+    assert costs.corrections(4)[3] == pytest.approx(2.5)
+
+
+def test_verify_cost_takes_in_the_engines_steps():
+    """``ModelDrafter.verify_cost``: the start-up table until steps were timed, then corrected by them
+    (``StepCosts``) every ``REFRESH_STEPS`` steps, never decreasing with the token count nor below half
+    the table; the token counts past its list keep the table's growth."""
+    d = ModelDrafter()
+    d.verify_costs = {1: 4.0, 9: 12.0}
+    assert [d.verify_cost(n) for n in (1, 5, 9, 400)] == pytest.approx([4.0, 8.0, 12.0, 12.0 * 400 / 9])
+    d.step_cost(3, 100.0)  # no table: nothing learned before one exists
+    for _ in range(8):
+        d.step_cost(5, 8.0 + 3.0)  # steps of 5 tokens cost 3 more than the table says
+        d.step_cost(2, 5.0 - 1.0)  # steps of 2 tokens 1 less
+    assert REFRESH_STEPS == 8 and d.verify_cost(5) == pytest.approx(11.0) and d.verify_cost(2) == pytest.approx(4.0)
+    assert d.verify_cost(1) == pytest.approx(4.0 - 0.5)  # from 0 at no tokens to -1 at 2
+    assert d.verify_cost(3) == pytest.approx(6.0 + 1 / 3) and d.verify_cost(9) == pytest.approx(15.0)
+    costs = [d.verify_cost(n) for n in range(1, 40)]
+    assert costs == sorted(costs)
+    assert d.verify_cost(400) == pytest.approx(12.0 * 400 / 9 + 3.0)
+    for _ in range(40):
+        d.step_cost(2, 0.0)  # (clipped at half the table)
+    assert d.verify_cost(2) >= 0.5 * 5.0
+
+
+def test_engine_reports_one_sequence_steps_to_the_proposer(tiny_llama):
+    """Every decoding step of a lone sequence reports how many tokens it verified and what the step cost
+    without drafting; a step of a batch of several reports nothing."""
+    llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={"method": "ngram",
+                                                                          "num_speculative_tokens": 3})
+    seen = []
+    llm.engine.proposer.step_cost = lambda n, s: seen.append((n, s))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], params, use_tqdm=False)
+    steps = llm.engine.stats.decode_steps
+    assert len(seen) == steps and all(1 <= n <= 4 and 0 < s < 5 for n, s in seen)
+    assert sum(n for n, _ in seen) == llm.engine.stats.verified_tokens
+    seen.clear()
+    llm.generate([[5, 6, 7, 8], [9, 10, 11, 12]], params, use_tqdm=False)
+    assert len(seen) < llm.engine.stats.decode_steps - steps  # the steps the two shared report nothing
 
 
 @pytest.mark.parametrize("mode", [{"dspark_verify": "auto"}, {"dspark_tree": "auto"}])

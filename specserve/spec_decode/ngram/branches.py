@@ -127,6 +127,9 @@ class NgramBranches(Proposer):
         if seq.finished and self.pool is not None:  # a finished answer serves later requests
             self.pool.add(seq.all_ids)
 
+    def step_cost(self, num_tokens: int, seconds: float) -> None:
+        self.inner.step_cost(num_tokens, seconds)
+
     def _matches(self, seq, room: int) -> list[tuple[list[int], tuple]]:
         """``seq``'s n-gram continuations, (tokens, acceptance key: sampling setting, matched n, rank)."""
         k = min(self.opts.ngram_branch, room)
