@@ -1,0 +1,58 @@
+"""A drafter's cost model with and without the engine's own step times, interleaved in one process with
+plain decoding: "table" reads only the start-up table of bare target forwards; "steps" (the default)
+corrects it by the engine's single-sequence steps (``cost_model.StepCosts``). Held-out category prompts,
+greedy; prints tok/s over plain decoding and the verify costs each engine ended with, and checks every
+answer against plain decoding's. The figures in docs/drafters-by-category.md (eleventh round) come from
+``python scripts/step_costs.py --method dspark --num-prompts 6`` (and ``--method medusa``)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.bench.categories import category_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="dspark", help="a drafter with a cost model: dspark, dflash or medusa")
+    ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per category")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = {"method": args.method}
+    engines = {"plain": LLM(), "table": LLM(speculative_config=spec), "steps": LLM(speculative_config=spec)}
+    engines["table"].engine.proposer.step_cost = lambda n, seconds: None  # the start-up table only
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = category_prompts("categories", args.num_prompts)
+    wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
+    for i, (_, prompt) in enumerate(prompts):
+        names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order
+        out = {}
+        for name in names:
+            t0 = time.perf_counter()
+            out[name] = list(engines[name].chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
+                             .outputs[0].token_ids)
+            wall[name] += time.perf_counter() - t0
+            tokens[name] += len(out[name])
+        for name in engines:
+            same[name] += out[name] == out["plain"]
+    print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
+    print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
+    for name in engines:
+        print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | "
+              f"{same[name]}/{len(prompts)} |")
+    counts = (1, 2, 3, 4, 6, 8, 12, 16)
+    for name in ("table", "steps"):
+        drafter = engines[name].engine.proposer
+        drafter = getattr(drafter, "inner", drafter)
+        print(f"{name} verify cost, ms:", {n: round(1e3 * drafter.verify_cost(n), 2) for n in counts})
+
+
+if __name__ == "__main__":
+    main()
