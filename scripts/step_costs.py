@@ -8,21 +8,17 @@ answer against plain decoding's. The figures in docs/drafters-by-category.md (el
 from __future__ import annotations
 
 import argparse
-import collections
-import time
 
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.bench.categories import category_prompts
+from specserve.bench.categories import add_ab_arguments, category_prompts, interleaved_chats
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", default="dspark", help="a drafter with a cost model: dspark, dflash or medusa")
-    ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per category")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    add_ab_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = {"method": args.method}
@@ -30,18 +26,7 @@ def main() -> None:
     engines["table"].engine.proposer.step_cost = lambda n, seconds: None  # the start-up table only
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompts = category_prompts("categories", args.num_prompts)
-    wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
-    for i, (_, prompt) in enumerate(prompts):
-        names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order
-        out = {}
-        for name in names:
-            t0 = time.perf_counter()
-            out[name] = list(engines[name].chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
-                             .outputs[0].token_ids)
-            wall[name] += time.perf_counter() - t0
-            tokens[name] += len(out[name])
-        for name in engines:
-            same[name] += out[name] == out["plain"]
+    wall, tokens, same = interleaved_chats(engines, prompts, sp)
     print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
     print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
     for name in engines:

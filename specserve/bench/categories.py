@@ -124,3 +124,38 @@ def format_category_table(rows: list[dict]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def add_ab_arguments(ap) -> None:
+    """The A/B scripts' common options on an ``argparse`` parser: ``--num-prompts`` (held-out prompts per
+    category), ``--max-tokens`` and ``--threads``."""
+    ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per category")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def interleaved_chats(engines: dict, prompts: list[tuple[str, str]], params) -> tuple:
+    """Each ``(category, prompt)`` of ``prompts`` as a one-turn chat through every ``LLM`` of ``engines``
+    ({name: LLM}) in turn, the order reversed every other prompt, so that a machine whose speed drifts
+    weighs on every engine alike (the A/B scripts under ``scripts/``). Returns (wall seconds, generated
+    tokens), Counters keyed by name and by (category, name), and per name how many answers equal the
+    first engine's token for token."""
+    import collections
+    import time
+
+    wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
+    first = next(iter(engines))
+    for i, (cat, prompt) in enumerate(prompts):
+        names = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        out = {}
+        for name in names:
+            t0 = time.perf_counter()
+            res = engines[name].chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            out[name] = list(res[0].outputs[0].token_ids)
+            for key in (name, (cat, name)):
+                wall[key] += dt
+                tokens[key] += len(out[name])
+        for name in engines:
+            same[name] += out[name] == out[first]
+    return wall, tokens, same
