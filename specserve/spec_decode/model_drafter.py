@@ -45,7 +45,13 @@ class ModelDrafter(Proposer):
 
     @verify_costs.setter
     def verify_costs(self, costs: dict[int, float] | None) -> None:
-        self._verify_costs, self._cost_table = costs, None
+        self._verify_costs, self._cost_table, self._table_costs = costs, None, None
+
+    def _table_cost(self, n: int) -> float:
+        """``verify_costs`` interpolated at ``n`` (the first ``COST_TABLE_SIZE`` counts in a list made once)."""
+        if self._table_costs is None:
+            self._table_costs = [interp_cost(self._verify_costs, k) for k in range(COST_TABLE_SIZE)]
+        return self._table_costs[n] if 0 <= n < COST_TABLE_SIZE else interp_cost(self._verify_costs, n)
 
     def verify_cost(self, n: int) -> float:
         """Seconds of a step verifying ``n`` tokens: ``verify_costs`` interpolated, plus the engine's own
@@ -56,22 +62,21 @@ class ModelDrafter(Proposer):
             corr = self.step_costs.corrections(COST_TABLE_SIZE)
             table, run = [], 0.0
             for k, c in enumerate(corr):
-                base = interp_cost(self._verify_costs, k)
+                base = self._table_cost(k)
                 run = max(run if k > 1 else 0.0, base + c, 0.5 * base)  # (no step verifies 0 tokens)
                 table.append(run)
             self._cost_table = table
         if 0 <= n < COST_TABLE_SIZE:
             return self._cost_table[n]
         # past the list: the table's own growth on the last entry (its correction carried)
-        return interp_cost(self._verify_costs, n) + (self._cost_table[-1] - interp_cost(self._verify_costs,
-                                                                                          COST_TABLE_SIZE - 1))
+        return self._table_cost(n) + (self._cost_table[-1] - self._table_cost(COST_TABLE_SIZE - 1))
 
     def step_cost(self, num_tokens: int, seconds: float) -> None:
         """The engine verified ``num_tokens`` tokens of one sequence in ``seconds`` (its drafting excluded):
         what ``verify_cost`` will correct the start-up table by."""
         if self._verify_costs is None or num_tokens < 1:
             return
-        self.step_costs.observe(num_tokens, seconds, interp_cost(self._verify_costs, num_tokens))
+        self.step_costs.observe(num_tokens, seconds, self._table_cost(num_tokens))
         self._steps_seen += 1
         if self._steps_seen % REFRESH_STEPS == 0:
             self._cost_table = None
