@@ -43,7 +43,6 @@ shards it (``VocabParallelEmbedding`` W1 + gathered ``ParallelLMHead`` W2) for c
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -52,6 +51,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import TPGroup
 from specserve.layers import cpu_ops
+from specserve.layers.attention import ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
 from specserve.layers.linear import ReplicatedLinear, ShapeMismatch, default_weight_loader
 from specserve.layers.norm import RMSNorm, rms_norm_heads, stack_head_norms
@@ -416,8 +416,8 @@ class DFlashDrafter(nn.Module):
         mask = None
         if n and not bool(visible.all()):
             mask = torch.cat([visible, visible.new_ones(B)]).view(1, 1, 1, n + B)
-        ctx = SimpleNamespace(tables=torch.zeros(1, 1, dtype=torch.long),
-                              write_idx=torch.arange(n, n + B).view(1, B), kv_len=n + B, mask=mask, is_causal=False)
+        ctx = ForwardContext(None, tables=torch.zeros(1, 1, dtype=torch.long),
+                             write_idx=torch.arange(n, n + B).view(1, B), kv_len=n + B, mask=mask)
         cos, sin = self.rotary.rotation((start, start + B), x.dtype)
         vec = cpu_ops.norm_vec_width()
         h, out = x.contiguous(), None
