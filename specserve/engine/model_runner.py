@@ -133,20 +133,25 @@ def kv_cache_blocks(kv_cache_memory: float | None, max_num_seqs: int, max_model_
     return blocks
 
 
+LONG_STEP = 32  # token counts above this are compute-bound and steady: one timed run each
+
+
 def measure_step_costs(forward, device, sizes: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one target ``forward`` that appends ``n`` tokens to a 128-token context, for each n,
     measured on the running device in slot 0 before any request runs. Every size runs once untimed
     first (a new shape's first call creates its kernels), then the sizes are timed in turn, ``reps``
-    rounds, so that a slow spell of a shared machine touches all of them alike rather than a few
-    (whose costs the monotonic pass below would then carry up to every larger size); each size keeps
-    its fastest run, as noise only ever adds time."""
+    rounds (sizes above ``LONG_STEP`` in the first round only), so that a slow spell of a shared machine
+    touches all of them alike rather than a few (whose costs the monotonic pass below would then carry
+    up to every larger size); each size keeps its fastest run, as noise only ever adds time."""
     ctx = 128
     forward(0, [[0] * ctx], [0], "none")
     for n in sizes:
         forward(0, [[0] * n], [ctx], "all")
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(reps):
+    for r in range(reps):
         for n in sizes:
+            if r and n > LONG_STEP:
+                continue
             synchronize(device)
             t0 = time.perf_counter()
             forward(0, [[0] * n], [ctx], "all")
@@ -159,6 +164,10 @@ def measure_step_costs(forward, device, sizes: list[int], reps: int = 3) -> dict
         run = max(run, out[n])
         out[n] = run
     return out
+
+
+# step costs measured in this process, by what decides them (``DraftTargetView.step_costs``)
+_MEASURED_COSTS: dict[tuple, dict[int, float]] = {}
 
 
 class DraftTargetView:
@@ -185,7 +194,14 @@ class DraftTargetView:
         raise ValueError(f"{name} not found in the target checkpoint")
 
     def step_costs(self, sizes: list[int], reps: int = 3) -> dict[int, float]:
-        return measure_step_costs(self.forward, self.device, sizes, reps)
+        """``measure_step_costs`` of this target, once per process: a later engine of the same model,
+        weight format, device, tensor-parallel size and thread count reads the first one's table (each
+        engine's own steps still correct it: ``ModelDrafter.step_cost``)."""
+        key = (str(self.model_dir), repr(self.config), str(self.dtype), self.quantization, self.packed,
+               str(self.device), self.tp.size, torch.get_num_threads(), tuple(sizes), reps)
+        if key not in _MEASURED_COSTS:
+            _MEASURED_COSTS[key] = measure_step_costs(self.forward, self.device, sizes, reps)
+        return dict(_MEASURED_COSTS[key])
 
 
 @dataclass

@@ -199,6 +199,51 @@ def test_verify_cost_takes_in_the_engines_steps():
     assert d.verify_cost(2) >= 0.5 * 5.0
 
 
+def test_start_up_step_costs_time_long_steps_once_and_are_kept_per_process(tiny_llama, monkeypatch):
+    """``measure_step_costs``: every size once untimed, then ``reps`` timed rounds, sizes above
+    ``LONG_STEP`` in the first only; the table never falls with n. A second engine of the same target
+    and threads reads the first one's table; another thread count measures again."""
+    import torch
+
+    import specserve.engine.model_runner as mr
+    from specserve.engine.model_runner import LONG_STEP, ModelRunner, measure_step_costs
+
+    calls = []
+    fake = {1: 3.0, 2: 1.0, LONG_STEP + 8: 9.0}  # a noisy 1-token time: the curve must still rise
+
+    def forward(slot, tokens, starts, mode):
+        calls.append(len(tokens[0]))
+        if mode == "all":
+            mr.time.perf_counter.t += fake[len(tokens[0])]
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    monkeypatch.setattr(mr.time, "perf_counter", Clock())
+    costs = measure_step_costs(forward, "cpu", sorted(fake), reps=3)
+    assert calls == [128, 1, 2, LONG_STEP + 8] + [1, 2, LONG_STEP + 8] + [1, 2] * 2
+    assert costs == {1: 3.0, 2: 3.0, LONG_STEP + 8: 9.0}
+    monkeypatch.undo()
+
+    measured = []
+    real = mr.measure_step_costs
+    monkeypatch.setattr(mr, "measure_step_costs", lambda *a: measured.append(a[2]) or real(*a))
+    sizes = [1, 2, 5]
+    a = ModelRunner(tiny_llama, dtype="float32").step_costs(sizes)
+    b = ModelRunner(tiny_llama, dtype="float32").step_costs(sizes)
+    assert measured == [sizes] and a == b and sorted(a) == sizes
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        ModelRunner(tiny_llama, dtype="float32").step_costs(sizes)
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [sizes, sizes]
+
+
 def test_engine_reports_one_sequence_steps_to_the_proposer(tiny_llama):
     """Every decoding step of a lone sequence reports how many tokens it verified and what the step cost
     without drafting; a step of a batch of several reports nothing."""
