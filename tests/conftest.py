@@ -15,11 +15,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# pytest-xdist's workers (`make test` runs one per core, at most 2): each keeps to one thread
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny models run on 1 thread (their ops are too small to split, and a spare core keeps them
-    fast when the machine is busy); the real default model (e2e) uses up to 2."""
-    torch.set_num_threads(min(2, os.cpu_count() or 1) if "e2e" in str(request.node.fspath) else 1)
+    fast when the machine is busy); the real default model (e2e) uses up to 2, shared among the
+    test workers."""
+    e2e = "e2e" in str(request.node.fspath)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS) if e2e else 1)
     yield
     if "unit" not in str(request.node.fspath):  # the real model's engines a test dropped: freed now
         gc.collect()

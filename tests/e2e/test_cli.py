@@ -150,7 +150,7 @@ def test_bench_drafter_checkpoint_by_path(tmp_path):
     r = specserve("bench", "--methods", "dspark-chain,dflash-chain", "--prompts", "chitchat-heldout",
                   "--speculative-config", "by-path=" + json.dumps({"method": "dspark", "model": str(ck),
                                                                    "dspark_tree": None}),
-                  "--num-prompts", "2", "--max-tokens", "32", "--dtype", "float32", "--json", str(out))
+                  "--num-prompts", "2", "--max-tokens", "32", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = {row["method"]: row for row in json.loads(out.read_text())}
     assert all(row["identical_to_none"] is True for row in rows.values())
