@@ -286,9 +286,13 @@ def test_auto_tree_uses_measured_costs(tiny_llama, tiny_heads):
               speculative_config={"method": "medusa", **CHAIN,
                                   "model": str(tiny_heads["shared"]), "medusa_tree": "auto"})
     prop = llm.engine.proposer
-    costs = prop.step_costs
+    costs = prop.tree_costs
     assert sorted(costs) == list(costs) and all(costs[a] <= costs[b] for a, b in zip(costs, list(costs)[1:]))
     assert prop.auto_choice.startswith(("chain", "tree of"))
+    # the tree's table is kept apart from the engine's own step costs, which every step reports to
+    from specserve.spec_decode.cost_model import StepCosts
+
+    assert isinstance(prop.step_costs, StepCosts)
 
 
 def test_bad_medusa_config(tiny_llama, tiny_heads, tmp_path):

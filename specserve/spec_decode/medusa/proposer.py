@@ -229,7 +229,7 @@ class MedusaProposer(ModelDrafter):
         """Choose the tree size from the measured cost of verifying N tokens on this device: the size
         maximising expected tokens per second. None means a chain beats every tree."""
         cost = target.step_costs([1] + [n + 1 for n in TREE_SIZES])
-        self.step_costs = cost
+        self.tree_costs = cost  # (not ``step_costs``: the engine's own steps, ``ModelDrafter``)
         chain_k = self.num_speculative_tokens
         chain = [[0] * (d + 1) for d in range(chain_k)]
         best = (expected_tokens(chain, acc) / interp_cost(cost, chain_k + 1), None)
