@@ -244,16 +244,18 @@ class MedusaProposer(ModelDrafter):
 
     @staticmethod
     def _candidate_index(tree: TreeBuffers, device="cpu") -> dict:
-        """The dynamic mode's candidate paths (``tree``'s rank paths, sorted by depth) as tensors:
-        ``ranks`` [P, D] (each path's rank at each depth, 0 past its end), ``valid`` [P, D], ``depth`` [P]."""
+        """The dynamic mode's candidate paths (``tree``'s rank paths, sorted by depth) as tensors: ``flat``
+        [P, D] (each path's entry at each depth of a request's top-k table flattened to [D * topk]; past
+        the path's end, the entry appended after the table: a 1.0 for its probability), ``flat_tokens``
+        (the same, a valid entry past the end), ``depth`` [P] (and as a list), ``max_depth`` D."""
         paths = tree.rank_paths
-        D = max(len(p) for p in paths)
-        ranks = torch.zeros(len(paths), D, dtype=torch.long)
-        valid = torch.zeros(len(paths), D, dtype=torch.bool)
+        D, k = max(len(p) for p in paths), tree.topk
+        flat = torch.full((len(paths), D), D * k, dtype=torch.long)
         for i, p in enumerate(paths):
-            ranks[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-            valid[i, : len(p)] = True
-        return {"paths": paths, "ranks": ranks.to(device), "valid": valid.to(device), "depth": valid.sum(1).to(device)}
+            flat[i, : len(p)] = torch.tensor([d * k + r for d, r in enumerate(p)], dtype=torch.long)
+        depth = [len(p) for p in paths]
+        return {"paths": paths, "flat": flat.to(device), "flat_tokens": flat.clamp(max=D * k - 1).to(device),
+                "depth": torch.tensor(depth, device=device), "depth_list": depth, "max_depth": D}
 
     def _probs(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """[B, k, V'] head logits -> the heads' probabilities at each request's temperature (1 for
@@ -281,9 +283,13 @@ class MedusaProposer(ModelDrafter):
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
         [B, P]: the product of the probabilities its heads give each candidate path's tokens."""
         c = self._candidates
-        B, D = top_probs.shape[0], c["ranks"].shape[1]
-        per_depth = top_probs[:, :D].gather(2, c["ranks"].t().unsqueeze(0).expand(B, D, -1))  # [B, D, P]
-        return torch.where(c["valid"].t().unsqueeze(0), per_depth, torch.ones_like(per_depth)).prod(1)
+        B, D = top_probs.shape[0], c["max_depth"]
+        table = torch.cat([top_probs[:, :D].reshape(B, -1), top_probs.new_ones(B, 1)], dim=1)
+        per_depth = table[:, c["flat"]]  # [B, P, D]
+        out = per_depth[..., 0]
+        for d in range(1, D):  # depth by depth, in order
+            out = out * per_depth[..., d]
+        return out
 
     def path_scores(self, probs: torch.Tensor, max_drafts: list[int], seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """Dynamic trees: ``probs`` [B, P] (``path_probs``) -> (scores [B, P], order [B, P]): each
@@ -293,8 +299,9 @@ class MedusaProposer(ModelDrafter):
         n paths is among them (a path never scores above its parent): each is a subtree."""
         c = self._candidates
         score = calibrated_scores(self.calibration, seqs, probs, c["depth"])
-        too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts, device=score.device).view(-1, 1)
-        score = torch.where(too_deep, torch.full_like(score, -1.0), score)
+        if min(max_drafts) < c["max_depth"]:  # (near max_tokens)
+            too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts, device=score.device).view(-1, 1)
+            score = torch.where(too_deep, torch.full_like(score, -1.0), score)
         return score.sort(dim=1, descending=True, stable=True)
 
     def _subtree(self, idx: tuple[int, ...]) -> TreeBuffers:
@@ -307,7 +314,7 @@ class MedusaProposer(ModelDrafter):
         return self._candidates is not None
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
-        D = self._candidates["ranks"].shape[1]
+        D = self._candidates["max_depth"]
         top_p, top_i = self._top_probs(logits[:, :D], seqs)
         top = self.heads.to_target(top_i)  # [B, D, topk] target ids
         raw = self.path_probs(top_p)
@@ -335,8 +342,8 @@ class MedusaProposer(ModelDrafter):
         """One request's candidate paths (``top`` [D, topk] its heads' tokens; ``score``/``order`` from
         ``path_scores``) and n-gram branches as ``tree_select.merge_branches`` items."""
         c = self._candidates
-        tokens = top.gather(1, c["ranks"].t().to(top.device)).t().tolist()  # [P, D]: each path's tokens
-        paths = [tuple(tok[:d]) for tok, d in zip(tokens, c["depth"].tolist())]
+        tokens = top.reshape(-1)[c["flat_tokens"]].tolist()  # [P, D]: each path's tokens (any past its end)
+        paths = [tuple(tok[:d]) for tok, d in zip(tokens, c["depth_list"])]
         scores = [0.0] * len(paths)
         for s, i in zip(score.tolist(), order.tolist()):
             scores[i] = s
