@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# pytest-xdist's workers (`make test` runs one per core, at most 2): each keeps to one thread
+# pytest-xdist's test processes (`make test` runs 2): the real model's tests share the threads among them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
