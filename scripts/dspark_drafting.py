@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from specserve import LLM, SamplingParams
-from specserve.bench.categories import add_ab_arguments, category_prompts, interleaved_chats
+from specserve import LLM
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments
 
 
 def as_before(llm: LLM) -> None:
@@ -44,18 +42,14 @@ def timed_drafting(llm: LLM, spent: list[float]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_ab_arguments(ap)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_ab_arguments(ap)
     engines = {"plain": LLM(), "before": LLM(speculative_config={"method": "dspark"}),
                "now": LLM(speculative_config={"method": "dspark"})}
     as_before(engines["before"])
     drafting = {name: [] for name in ("before", "now")}
     for name, spent in drafting.items():
         timed_drafting(engines[name], spent)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompts = category_prompts("categories", args.num_prompts)
-    wall, tokens, same = interleaved_chats(engines, prompts, sp)
+    prompts, wall, tokens, same = interleaved_chats(engines, args)
     print(f"{len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
     print("| row | tok/s | x plain | drafting ms a call (calls) | identical to plain |\n|---|---|---|---|---|")
     for name in engines:

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from specserve import LLM, SamplingParams
-from specserve.bench.categories import add_ab_arguments, category_prompts, interleaved_chats
+from specserve import LLM
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", default="dspark", help="a drafter with a cost model: dspark, dflash or medusa")
-    add_ab_arguments(ap)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_ab_arguments(ap)
     spec = {"method": args.method}
     engines = {"plain": LLM(), "table": LLM(speculative_config=spec), "steps": LLM(speculative_config=spec)}
     engines["table"].engine.proposer.step_cost = lambda n, seconds: None  # the start-up table only
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompts = category_prompts("categories", args.num_prompts)
-    wall, tokens, same = interleaved_chats(engines, prompts, sp)
+    prompts, wall, tokens, same = interleaved_chats(engines, args)
     print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
     print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
     for name in engines:

@@ -126,23 +126,34 @@ def format_category_table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
-def add_ab_arguments(ap) -> None:
-    """The A/B scripts' common options on an ``argparse`` parser: ``--num-prompts`` (held-out prompts per
-    category), ``--max-tokens`` and ``--threads``."""
+def parse_ab_arguments(ap):
+    """The A/B scripts' common options added to an ``argparse`` parser (``--num-prompts``: held-out prompts
+    per category, ``--max-tokens``, ``--threads``), the command line parsed, torch's threads set (before
+    any engine is built): returns the parsed arguments."""
+    import torch
+
     ap.add_argument("--num-prompts", type=int, default=6, help="held-out prompts per category")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
 
 
-def interleaved_chats(engines: dict, prompts: list[tuple[str, str]], params) -> tuple:
-    """Each ``(category, prompt)`` of ``prompts`` as a one-turn chat through every ``LLM`` of ``engines``
-    ({name: LLM}) in turn, the order reversed every other prompt, so that a machine whose speed drifts
-    weighs on every engine alike (the A/B scripts under ``scripts/``). Returns (wall seconds, generated
+def interleaved_chats(engines: dict, args) -> tuple:
+    """``args.num_prompts`` held-out prompts of every category, each as a one-turn greedy chat of up to
+    ``args.max_tokens`` tokens through every ``LLM`` of ``engines`` ({name: LLM}) in turn, the order
+    reversed every other prompt, so that a machine whose speed drifts weighs on every engine alike (the
+    A/B scripts under ``scripts/``). Returns the (category, prompt) pairs, then (wall seconds, generated
     tokens), Counters keyed by name and by (category, name), and per name how many answers equal the
     first engine's token for token."""
     import collections
     import time
 
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = category_prompts("categories", args.num_prompts)
     wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
     first = next(iter(engines))
     for i, (cat, prompt) in enumerate(prompts):
@@ -158,4 +169,4 @@ def interleaved_chats(engines: dict, prompts: list[tuple[str, str]], params) -> 
                 tokens[key] += len(out[name])
         for name in engines:
             same[name] += out[name] == out[first]
-    return wall, tokens, same
+    return prompts, wall, tokens, same
