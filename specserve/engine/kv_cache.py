@@ -1,10 +1,12 @@
 """Paged KV cache: a pool of fixed-size blocks per layer, addressed through block tables.
 
 Layout per layer: ``[num_blocks, 2, kv_heads, block_size, head_dim]``, keys then values, so that one
-copy writes both. ``BlockManager`` decides which block holds which positions of which sequence (block
-0: the scratch block that padding tokens write to). A forward gives every row its table as a tensor
-``[B, max blocks]`` (shorter rows padded with the scratch block) and every new token a (block, offset)
-to write to; attention reads keys through the tables (``Attention``, the C++ ``attention``).
+copy writes both; the layers are views of one pool ``[layers, num_blocks, ...]``, so that one op moves
+a block or a position in every layer. ``BlockManager`` decides which block holds which positions of
+which sequence (block 0: the scratch block that padding tokens write to). A forward gives every row
+its table as a tensor ``[B, max blocks]`` (shorter rows padded with the scratch block) and every new
+token a (block, offset) to write to; attention reads keys through the tables (``Attention``, the C++
+``attention``).
 
 The pool is reserved (``torch.empty``) and its pages become resident as blocks are first used, each
 zeroed then: memory follows the tokens in flight, up to the budget the engine sets at start-up.
@@ -27,11 +29,10 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, max_slots)
-        # per layer [num_blocks, 2, kv_heads, block_size, head_dim]; pages resident once a block is used
-        self.kv = [torch.empty(num_blocks, 2, kv_heads, block_size, head_dim, dtype=dtype, device=device)
-                   for _ in range(num_layers)]
-        for t in self.kv:
-            t[SCRATCH].zero_()
+        # [layers, num_blocks, 2, kv_heads, block_size, head_dim]; pages resident once a block is used
+        self.pool = torch.empty(num_layers, num_blocks, 2, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        self.kv = list(self.pool.unbind(0))  # per layer [num_blocks, 2, kv_heads, block_size, head_dim]
+        self.pool[:, SCRATCH].zero_()
 
     @staticmethod
     def bytes_per_block(num_layers, kv_heads, head_dim, dtype, block_size: int = BLOCK_SIZE) -> int:
@@ -44,9 +45,7 @@ class KVCache:
     def _zero_fresh(self) -> None:
         fresh = self.blocks.take_fresh()
         if fresh:  # never-written memory may hold anything (NaN): attention multiplies hidden keys by 0
-            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
-            for t in self.kv:
-                t.index_fill_(0, idx, 0)
+            self.pool.index_fill_(1, torch.tensor(fresh, dtype=torch.long, device=self.device), 0)
 
     def prepare(self, slot_start: int, starts: list[int], lens: list[int]) -> None:
         """Blocks for every row's positions [0, start + len), its own for [start, start + len) (copy
@@ -62,8 +61,7 @@ class KVCache:
             copies += bm.writable(slot_start + b, s, s + n)
         self._zero_fresh()
         for src, dst in copies:
-            for t in self.kv:
-                t[dst] = t[src]
+            self.pool[:, dst] = self.pool[:, src]
 
     def tables(self, slot_start: int, B: int, kv_len: int) -> torch.Tensor:
         """The block tables of rows ``slot_start .. + B`` over positions [0, kv_len): long [B, blocks]."""
@@ -104,12 +102,14 @@ class KVCache:
     def release(self, slot: int) -> None:
         self.blocks.release(slot)
 
-    def gather_into(self, slot: int, src_idx: torch.Tensor, dst_start: int) -> None:
-        """Copy positions ``src_idx`` of ``slot`` to the positions from ``dst_start`` on (tree
-        verification keeps the accepted path only; every position involved is the slot's own)."""
-        n = src_idx.numel()
-        t = torch.tensor(self.blocks.tables[slot], dtype=torch.long, device=self.device).view(1, -1)
-        sb, so = self.locate(t, src_idx.view(1, -1).to(self.device))
-        db, do = self.locate(t, torch.arange(dst_start, dst_start + n, device=self.device).view(1, -1))
-        for c in self.kv:
-            c[db, :, :, do] = c[sb, :, :, so]
+    def gather_into(self, slot: int, src_idx: list[int], dst_start: int) -> None:
+        """Copy positions ``src_idx`` of ``slot`` to the positions from ``dst_start`` on, in every layer
+        (tree verification keeps the accepted path only: ``src_idx`` increasing, each at or after its
+        destination, every position the slot's own). A position already in place is not copied."""
+        table, bs = self.blocks.tables[slot], self.block_size
+        for i, src in enumerate(src_idx):
+            dst = dst_start + i
+            if src < dst or (i and src <= src_idx[i - 1]):
+                raise ValueError(f"gather_into: positions {src_idx} do not move down to {dst_start} in order")
+            if src != dst:  # in order: a later source sits past every earlier destination
+                self.pool[:, table[dst // bs], :, :, dst % bs] = self.pool[:, table[src // bs], :, :, src % bs]

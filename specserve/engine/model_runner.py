@@ -315,8 +315,9 @@ class ModelRunner(DraftTargetView):
         Q = max(lens)
         kv_len = max(s + n for s, n in zip(starts, lens))
         self.kv.prepare(slot_start, starts, lens)
-        if B == 1 and tree_mask is None:
-            ids, pos, ctx = self._one_sequence(slot_start, tokens[0], starts[0], positions, kv_len)
+        if B == 1:
+            tree = tree_mask[0] if tree_mask is not None else None
+            ids, pos, ctx = self._one_sequence(slot_start, tokens[0], starts[0], positions, kv_len, tree)
         else:
             ids, pos, ctx = self._batch(slot_start, tokens, starts, lens, Q, kv_len, tree_mask, positions)
         hidden, aux = self.model(ids, pos, ctx, aux_layers)
@@ -333,15 +334,20 @@ class ModelRunner(DraftTargetView):
             return StepOutput(None)
         return StepOutput(logits.float(), hidden if return_hidden else None, aux)
 
-    def _one_sequence(self, slot: int, tokens: list[int], start: int, positions, kv_len: int):
-        """``forward``'s inputs for one sequence appending causal tokens (decoding, chain verification,
-        prefill): the cache writes are a slice, the RoPE positions (unless given) that slice's range, and
-        the mask none (one query, or a prefill from position 0: SDPA's causal mask) or one comparison."""
+    def _one_sequence(self, slot: int, tokens: list[int], start: int, positions, kv_len: int, tree=None):
+        """``forward``'s inputs for one sequence (decoding, chain or tree verification, prefill): the
+        cache writes are a slice, the RoPE positions (unless given) that slice's range, and the mask
+        none (one query, or a prefill from position 0: SDPA's causal mask), one comparison (causal
+        tokens after a context) or, for a draft tree (``tree``: bool [Q, Q]), the context and the tree."""
         dev = self.device
         Q = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         mask, causal = None, False
-        if Q > 1 and start == 0:
+        if tree is not None:
+            mask = torch.ones(Q, kv_len, dtype=torch.bool, device=dev)
+            mask[:, start:] = torch.as_tensor(tree, dtype=torch.bool, device=dev)
+            mask = mask.view(1, 1, Q, kv_len)
+        elif Q > 1 and start == 0:
             causal = True
         elif Q > 1:  # query i sees keys [0, start + i]
             key = torch.arange(kv_len, device=dev)
@@ -387,7 +393,7 @@ class ModelRunner(DraftTargetView):
 
     @torch.inference_mode()
     def compact(self, slot: int, src_idx: list[int], dst_start: int) -> None:
-        self.kv.gather_into(slot, torch.tensor(src_idx, dtype=torch.long, device=self.device), dst_start)
+        self.kv.gather_into(slot, src_idx, dst_start)
 
     def collective_counts(self) -> dict:
         return dict(self.tp.counts)

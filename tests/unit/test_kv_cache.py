@@ -1,5 +1,6 @@
 """The batched KV cache: truncation is O(1) and exact; different lengths and step sizes in one batch."""
 
+import pytest
 import torch
 
 from specserve.engine.model_runner import ModelRunner
@@ -94,3 +95,33 @@ def test_kv_memory_follows_the_requests_in_flight(tiny_llama, monkeypatch):
     peaks.clear()
     llm.generate([[1, 2, i] for i in range(5)], params, use_tqdm=False)
     assert max(peaks) == 5 and llm.engine.runner.kv.blocks.num_used() == 0
+
+
+def test_gather_into_moves_positions_in_every_layer():
+    """Tree verification keeps its accepted path: positions copied across blocks in every layer at once
+    (the layers are views of one pool), every other entry unchanged, copy on write where a block is
+    shared (``prepare``) in every layer too."""
+    from specserve.engine.kv_cache import KVCache
+
+    kv = KVCache(num_layers=3, max_slots=2, kv_heads=2, head_dim=4, dtype=torch.float32, num_blocks=8, block_size=4)
+    kv.prepare(0, [0], [10])  # positions 0..9: three blocks
+    assert all(t.data_ptr() == kv.pool[i].data_ptr() for i, t in enumerate(kv.kv))
+    g = torch.Generator().manual_seed(0)
+    for t in kv.kv:
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = [kv.sequence(0, layer, 10).clone() for layer in range(3)]
+    kv.gather_into(0, [2, 6, 9], 2)  # the path through positions 2, 6, 9 moves to 2, 3, 4 (2 stays)
+    for layer in range(3):
+        want = before[layer].clone()
+        want[:, :, 2:5] = before[layer][:, :, [2, 6, 9]]
+        assert torch.equal(kv.sequence(0, layer, 10), want)
+    with pytest.raises(ValueError, match="gather_into"):
+        kv.gather_into(0, [5, 4], 2)  # not in order
+    tokens = list(range(10))
+    kv.blocks.register(0, tokens, 10)
+    assert kv.blocks.share_prefix(1, tokens) == 8  # slot 1 reads slot 0's first two blocks
+    shared = kv.blocks.tables[1][1]
+    kv.prepare(1, [4], [2])  # a write to positions 4, 5: their block becomes slot 1's own copy
+    assert kv.blocks.tables[1][1] != shared and kv.blocks.tables[0][1] == shared
+    for layer in range(3):
+        assert torch.equal(kv.sequence(1, layer, 8), kv.sequence(0, layer, 8))
