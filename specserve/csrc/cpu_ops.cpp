@@ -1450,10 +1450,61 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// The ranking of a step's scored draft nodes (spec_decode/cost_model.py, ranked_scores): scores [B, N] float32,
+// depth [N] int64 (1-based), scale None or [B, S] float32 (each row's calibration factor by depth, the depth
+// clamped to [0, S - 1]), limit [B] int64 -> (the scores by decreasing value [B, N], their indices [B, N]
+// int64). A score s >= 0 becomes min(s * scale, 1) (float32, as torch multiplies and clamps), a node deeper
+// than its row's limit -1; equal scores keep index order, NaN first (torch's stable descending sort).
+std::vector<at::Tensor> rank_nodes(const at::Tensor& scores, const at::Tensor& depth, const c10::optional<at::Tensor>& scale,
+                                   const at::Tensor& limit) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat, "rank_nodes: scores must be [B, N] float32");
+  const int64_t B = scores.size(0), N = scores.size(1);
+  TORCH_CHECK(depth.dim() == 1 && depth.size(0) == N && depth.scalar_type() == at::kLong, "rank_nodes: depth must be [N] int64");
+  TORCH_CHECK(limit.dim() == 1 && limit.size(0) == B && limit.scalar_type() == at::kLong, "rank_nodes: limit must be [B] int64");
+  at::Tensor f;
+  int64_t S = 0;
+  if (scale.has_value() && scale->defined()) {
+    f = scale->contiguous();
+    TORCH_CHECK(f.dim() == 2 && f.size(0) == B && f.size(1) >= 1 && f.scalar_type() == at::kFloat,
+                "rank_nodes: scale must be [B, S >= 1] float32");
+    S = f.size(1);
+  }
+  const at::Tensor x = scores.contiguous(), d = depth.contiguous(), lim = limit.contiguous();
+  auto ranked = at::empty({B, N}, x.options());
+  auto order = at::empty({B, N}, x.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  const int64_t* pd = d.data_ptr<int64_t>();
+  float* pr = ranked.data_ptr<float>();
+  int64_t* po = order.data_ptr<int64_t>();
+  std::vector<float> v(N);
+  std::vector<int64_t> idx(N);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = px + b * N;
+    const float* fr = S ? f.data_ptr<float>() + b * S : nullptr;
+    const int64_t lb = lim.data_ptr<int64_t>()[b];
+    for (int64_t j = 0; j < N; ++j) {
+      float s = row[j];
+      if (fr && s >= 0.0f) s = std::min(s * fr[std::min(std::max<int64_t>(pd[j], 0), S - 1)], 1.0f);
+      v[j] = pd[j] > lb ? -1.0f : s;
+      idx[j] = j;
+    }
+    std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t c) {
+      const float va = v[a], vc = v[c];
+      return va > vc || (va != va && vc == vc);
+    });
+    for (int64_t j = 0; j < N; ++j) {
+      pr[b * N + j] = v[idx[j]];
+      po[b * N + j] = idx[j];
+    }
+  }
+  return {ranked, order};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
   m.def("softmax_topk", &softmax_topk, "the k most probable entries of softmax((base + bias) / t), per row");
+  m.def("rank_nodes", &rank_nodes, "draft nodes' scores calibrated by depth, cut at a depth, sorted (cost_model.ranked_scores)");
   m.def("tree_search", &tree_search, "a whole draft-tree search for a vanilla Markov head (drafting.draft_trees)");
   m.def("attention", &attention, "batch-invariant attention over a paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, rms_norm(residual + x) * weight), bfloat16");

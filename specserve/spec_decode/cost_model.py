@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.layers import cpu_ops
+
 
 def interp_cost(cost: dict[int, float], n: int) -> float:
     ks = sorted(cost)
@@ -63,26 +65,30 @@ def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: 
     B = len(survival)
     if B == 0:
         return []
+    bad = ValueError("survival products must not increase along a request's drafts")
     if B == 1:  # one request: already in its order (checked here), no sort
-        row = survival[0]
-        if any(q > p for p, q in zip(row, row[1:])):
-            raise ValueError("survival products must not increase along a request's drafts")
-        order = [(float(p), 0, k) for k, p in enumerate(row)]
+        probs, owners = [float(p) for p in survival[0]], None
+        if any(q > p for p, q in zip(probs, probs[1:])):
+            raise bad
     else:
         order = sorted(((float(p), b, k) for b, row in enumerate(survival) for k, p in enumerate(row)),
                        key=lambda t: (-t[0], t[1], t[2]))
+        taken = [0] * B
+        for p, b, k in order:
+            if k != taken[b]:  # ties inside a row keep its prefix order
+                raise bad
+            taken[b] += 1
+        probs, owners = [t[0] for t in order], [t[1] for t in order]
     best_n, best_rate, gain = 0, B / max(verify_cost(B) + draft_cost, 1e-12), 0.0
-    taken = [0] * B
-    for n, (p, b, k) in enumerate(order, start=1):
-        if k != taken[b]:  # ties inside a row keep its prefix order
-            raise ValueError("survival products must not increase along a request's drafts")
-        taken[b] += 1
+    for n, p in enumerate(probs, start=1):
         gain += p
         rate = (B + gain) / max(verify_cost(B + n) + draft_cost, 1e-12)
         if rate > best_rate:
             best_n, best_rate = n, rate
+    if owners is None:
+        return [best_n]
     lengths = [0] * B
-    for p, b, k in order[:best_n]:
+    for b in owners[:best_n]:
         lengths[b] += 1
     return lengths
 
@@ -199,17 +205,43 @@ def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, surviv
     return lengths, [sum(row[:n]) for row, n in zip(scaled, lengths)]
 
 
+def calibration_factors(calibration: "AcceptanceCalibration | None", seqs) -> list[list[float]] | None:
+    """Each sequence's calibration factor by depth 0 .. max_depth (1.0 at depth 0), None without a
+    calibration. Starts the calibration's step."""
+    if calibration is None:
+        return None
+    keys = [sampling_key(s.params) for s in seqs]
+    calibration.begin_step(keys)
+    return [[1.0] + calibration.factors(k) for k in keys]
+
+
 def calibrated_scores(calibration: "AcceptanceCalibration | None", seqs, scores, depth):
     """Tree node (or path) scores ``[B, N]`` at depths ``depth`` (``[N]``, 1-based) scaled by each
     sequence's calibration factors (capped at 1; negative scores, which mark excluded nodes, stay).
     Starts the calibration's step."""
-    if calibration is None:
+    factors = calibration_factors(calibration, seqs)
+    if factors is None:
         return scores
-    keys = [sampling_key(s.params) for s in seqs]
-    calibration.begin_step(keys)
-    f = torch.tensor([[1.0] + calibration.factors(k) for k in keys], dtype=scores.dtype, device=scores.device)
-    scale = f.gather(1, depth.clamp(0, calibration.max_depth).view(1, -1).expand(len(keys), -1).to(scores.device))
+    f = torch.tensor(factors, dtype=scores.dtype, device=scores.device)
+    scale = f.gather(1, depth.clamp(0, calibration.max_depth).view(1, -1).expand(len(seqs), -1).to(scores.device))
     return torch.where(scores >= 0, (scores * scale).clamp(max=1.0), scores)
+
+
+def ranked_scores(calibration: "AcceptanceCalibration | None", seqs, scores, depth,
+                  limits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``calibrated_scores``, then every node deeper than its sequence's ``limits[b]`` at -1, sorted by
+    decreasing score (equal scores in index order): (the sorted scores, their indices), ``[B, N]``
+    each. One call of the C++ op on CPU (``cpu_ops``: the same bits), else PyTorch. Starts the
+    calibration's step."""
+    ops = cpu_ops.active() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    if ops is not None:
+        factors = calibration_factors(calibration, seqs)
+        scale = None if factors is None else torch.tensor(factors, dtype=torch.float32)
+        return tuple(ops.rank_nodes(scores, depth.long(), scale, torch.tensor(limits, dtype=torch.long)))
+    scores = calibrated_scores(calibration, seqs, scores, depth)
+    too_deep = depth.view(1, -1) > torch.tensor(limits, device=scores.device).view(-1, 1)
+    scores = torch.where(too_deep, torch.full_like(scores, -1.0), scores)
+    return scores.sort(dim=1, descending=True, stable=True)
 
 
 class DraftGate:

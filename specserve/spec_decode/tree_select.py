@@ -55,30 +55,43 @@ def graft(tree: TreeDraft | None, root: int, chain: list[int], branches: list[li
     return TreeDraft(tokens, cache.get(tuple(parents))), n
 
 
-def merge_branches(paths: list[tuple], scores: list[float], branches: list[BranchDraft]) -> list[tuple]:
-    """A drafter's candidate nodes together with n-gram branches, for a cost model to choose from.
-    ``paths[i]``: candidate i's tokens from the root (candidates form a tree: each one's parent is a
-    candidate too), ``scores[i]`` its (calibrated) probability of acceptance, < 0 for one that must not
-    be verified. Returns ``(score, depth, kind, key)`` items by decreasing score: kind 0 a candidate
-    (key: its index), kind 1 a branch node that no candidate carries (key: its tokens from the root).
-    A node that several branches carry scores the highest of their scores, and a candidate that a
-    branch carries the higher of its own and the branch's. Every prefix of the items is a subtree: a
-    node never scores above its parent."""
+def merge_branches(child, depths: list[int], scores: list[float], branches: list[BranchDraft]) -> list[tuple]:
+    """A drafter's candidate nodes together with n-gram branches, for a cost model to choose from. The
+    candidates form a tree: ``child(node, token)`` is the candidate below candidate ``node`` (-1: the
+    root) that carries ``token``, or None; ``depths[i]`` is candidate i's depth, ``scores[i]`` its
+    (calibrated) probability of acceptance, < 0 for one that must not be verified. Returns ``(score,
+    depth, kind, key)`` items by decreasing score: kind 0 a candidate (key: its index), kind 1 a branch
+    node that no candidate carries (key: its tokens from the root). A node that several branches carry
+    scores the highest of their scores, and a candidate that a branch carries the higher of its own and
+    the branch's. Every prefix of the items is a subtree: a node never scores above its parent."""
     scores = list(scores)
-    index = {p: i for i, p in enumerate(paths)}
     nodes: dict[tuple, float] = {}  # branch-only nodes
     for br in branches:
+        node = -1
         for j, p in enumerate(br.scores):
-            key = tuple(br.tokens[: j + 1])
-            i = index.get(key)
-            if i is not None and scores[i] >= 0.0:
-                scores[i] = max(scores[i], p)
+            node = None if node is None else child(node, br.tokens[j])
+            if node is not None and scores[node] >= 0.0:
+                scores[node] = max(scores[node], p)
             else:
+                key = tuple(br.tokens[: j + 1])
                 nodes[key] = max(nodes.get(key, 0.0), p)
-    items = [(p, len(paths[i]), 0, i) for i, p in enumerate(scores) if p >= 0.0]
+    items = [(p, depths[i], 0, i) for i, p in enumerate(scores) if p >= 0.0]
     items += [(p, len(key), 1, key) for key, p in nodes.items()]
     items.sort(key=lambda t: (-t[0], t[1]))
     return items
+
+
+def no_candidates(node: int, token: int) -> None:
+    """``merge_branches``' ``child`` where there is no candidate tree (branches alone)."""
+    return None
+
+
+def unsorted(ranked: list[float], order: list[int]) -> list[float]:
+    """Scores back in node order from a ranking: ``ranked[j]`` is node ``order[j]``'s."""
+    out = [0.0] * len(order)
+    for s, i in zip(ranked, order):
+        out[i] = s
+    return out
 
 
 def split_items(items: list[tuple] | None, n: int, order: list[int]) -> tuple[list[int], list[list[int]]]:

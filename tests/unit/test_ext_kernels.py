@@ -266,6 +266,53 @@ def test_argmax_equals_torch_argmax(n):
 
 
 @needs_ext
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_ranked_scores_op_equals_its_pytorch_path(monkeypatch, calibrated):
+    """``cost_model.ranked_scores`` (the ranking of a step's draft nodes: Medusa's paths, DSpark's tree)
+    through the C++ op and through PyTorch: the same scores bit for bit in the same order. Scores above
+    1 after scaling, excluded nodes (< 0), nodes deeper than a row's limit, equal scores (index order),
+    a NaN; the calibration started once a step either way."""
+    from specserve.spec_decode.cost_model import AcceptanceCalibration, ranked_scores, sampling_key
+
+    g = torch.Generator().manual_seed(7)
+    B, N, D = 3, 64, 4
+    depth = torch.randint(1, D + 1, (N,), generator=g).sort().values
+    scores = torch.rand(B, N, generator=g) ** 3
+    scores[0, 5:12] = scores[0, 4]  # equal scores
+    scores[1, 3] = -1.0  # an excluded node
+    scores[1, 9] = float("nan")
+    scores[2, :] = torch.tensor([0.5, 0.25]).repeat(N // 2)
+    seqs = [SimpleNamespace(seq_id=i, params=SimpleNamespace(greedy=i != 1, temperature=0.7, top_k=0, top_p=1.0,
+                                                             min_p=0.0)) for i in range(B)]
+    limits = [D, 2, 3]
+
+    def calibration():
+        if not calibrated:
+            return None
+        cal = AcceptanceCalibration(D)
+        for s in seqs[:2]:  # a greedy and a sampled setting, each predicted off by a factor per depth
+            for _ in range(6):
+                cal.begin_step([sampling_key(s.params)])
+                cal.expect(s.seq_id, sampling_key(s.params), [0.9, 0.3, 0.2, 0.1] if s.params.greedy else [0.2] * 4)
+                cal.observe(s.seq_id, 3)
+        return cal
+
+    fast_cal, slow_cal = calibration(), calibration()
+    fast = ranked_scores(fast_cal, seqs, scores, depth, limits)
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    slow = ranked_scores(slow_cal, seqs, scores, depth, limits)
+    assert torch.equal(fast[1], slow[1])
+    assert torch.equal(fast[0].isnan(), slow[0].isnan())
+    assert torch.equal(fast[0].nan_to_num(), slow[0].nan_to_num())
+    assert fast[1][1, 0] == 9  # NaN first, as torch sorts it
+    assert (fast[0][1][depth[fast[1][1]] > 2] == -1).all()
+    assert (fast[0].nan_to_num() <= 1).all()
+    if calibrated:
+        assert fast_cal._stats == slow_cal._stats  # each path started the step once
+        assert not torch.equal(fast[0][0], scores[0].sort(descending=True, stable=True).values)  # it scaled
+
+
+@needs_ext
 def test_rms_norm_module_differentiates_through_its_pytorch_path(monkeypatch):
     """A bfloat16 RMSNorm computes through the C++ op only where nothing is differentiated (the op has no
     backward): under autograd it takes its PyTorch path and the gradient flows."""

@@ -10,7 +10,7 @@ from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec_decode.ngram.branches import BranchAcceptance, NgramBranchOptions, split_ngram_branch
 from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
-from specserve.spec_decode.tree_select import BranchDraft, add_branch, merge_branches, split_items
+from specserve.spec_decode.tree_select import BranchDraft, add_branch, merge_branches, no_candidates, split_items
 
 from test_dspark import write_random_drafter
 from test_medusa import make_heads
@@ -105,23 +105,30 @@ def test_branch_acceptance_learns_per_key_from_what_steps_emitted():
         BranchAcceptance(4, p0=1.0)
 
 
+def _tree(paths):
+    """``merge_branches``' ``child`` and depths for candidates given by their token paths."""
+    index = {p: i for i, p in enumerate(paths)}
+    return (lambda node, t: index.get((paths[node] if node >= 0 else ()) + (t,))), [len(p) for p in paths]
+
+
 def test_merge_branches_orders_nodes_so_that_every_prefix_is_a_subtree():
     # candidates: root -> 7 (0.6) -> 8 (0.3); root -> 9 (0.2); 7 -> 8 -> 1 (-1: too deep)
     paths = [(7,), (7, 8), (9,), (7, 8, 1)]
     scores = [0.6, 0.3, 0.2, -1.0]
     branches = [BranchDraft([7, 8, 5], [0.5, 0.45, 0.4]), BranchDraft([4, 4], [0.25, 0.05]),
-                BranchDraft([7, 8, 5, 6], [0.1, 0.1, 0.1, 0.01])]
-    items = merge_branches(paths, scores, branches)
+                BranchDraft([7, 8, 5, 6], [0.1, 0.1, 0.1, 0.01]), BranchDraft([7, 8, 1, 2], [0.1, 0.1, 0.03, 0.02])]
+    items = merge_branches(*_tree(paths), scores, branches)
     assert [(round(p, 2), d, kind, k) for p, d, kind, k in items] == [
         (0.6, 1, 0, 0), (0.45, 2, 0, 1), (0.4, 3, 1, (7, 8, 5)), (0.25, 1, 1, (4,)), (0.2, 1, 0, 2),
-        (0.05, 2, 1, (4, 4)), (0.01, 4, 1, (7, 8, 5, 6))]
+        (0.05, 2, 1, (4, 4)), (0.03, 3, 1, (7, 8, 1)), (0.02, 4, 1, (7, 8, 1, 2)), (0.01, 4, 1, (7, 8, 5, 6))]
     for n in range(len(items) + 1):
         chosen, extra = split_items(items, n, [])
         have = {()} | {paths[i] for i in chosen} | {tuple(e) for e in extra}
         assert all(p[:-1] in have for p in have if p), n  # every chosen node's parent is chosen
     assert split_items(items, 4, []) == ([0, 1], [[7, 8, 5], [4]])
     assert split_items(None, 2, [2, 0, 1]) == ([0, 2], [])  # without branches: the candidates in order
-    assert merge_branches(paths, scores, []) == [(0.6, 1, 0, 0), (0.3, 2, 0, 1), (0.2, 1, 0, 2)]
+    assert merge_branches(*_tree(paths), scores, []) == [(0.6, 1, 0, 0), (0.3, 2, 0, 1), (0.2, 1, 0, 2)]
+    assert merge_branches(no_candidates, [], [], branches[1:2]) == [(0.25, 1, 1, (4,)), (0.05, 2, 1, (4, 4))]
 
 
 REPETITIVE = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [9, 8, 7, 9, 8, 7, 9], [20, 21, 22, 23, 24, 25]]

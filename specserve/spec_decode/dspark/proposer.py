@@ -68,8 +68,8 @@ from specserve.spec_decode.cost_model import (
     DraftCosts,
     DraftGate,
     calibrated_lengths,
-    calibrated_scores,
     profile_sizes,
+    ranked_scores,
     tree_profile_sizes,
 )
 from specserve.spec_decode.dspark.config import DSparkOptions
@@ -78,7 +78,7 @@ from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.model import DFlashDrafter
 from specserve.spec_decode.model_drafter import ModelDrafter
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
-from specserve.spec_decode.tree_select import merge_branches, split_items
+from specserve.spec_decode.tree_select import merge_branches, no_candidates, split_items, unsorted
 
 log = logging.getLogger("specserve.dspark")
 
@@ -434,23 +434,20 @@ class DSparkProposer(ModelDrafter):
         synchronize(cand.scores.device)
         draft_s = time.perf_counter() - t0
         self.drafting.observe(len(rows), draft_s)
-        limit = torch.tensor([budget[b] for b in rows], device=cand.depth.device)
-        too_deep = cand.depth.view(1, -1) > limit.view(-1, 1)
-        scores = calibrated_scores(self.calibration, [seqs[b] for b in rows], cand.scores, cand.depth)
-        scores = torch.where(too_deep, torch.full_like(scores, -1.0), scores)
         # a node never scores above its parent, which comes first: every prefix of this order is a subtree
-        ranked, order = scores.sort(dim=1, descending=True, stable=True)
+        ranked, order = ranked_scores(self.calibration, [seqs[b] for b in rows], cand.scores, cand.depth,
+                                      [budget[b] for b in rows])
         order = order.cpu()  # read row by row below: one copy from a GPU, not one per row
-        valid = [[x for x in row if x >= 0.0] for row in ranked.tolist()]
-        tokens, parents = cand.tokens.tolist(), cand.parents.tolist()
+        ranked = ranked.tolist()
+        valid = [[x for x in row if x >= 0.0] for row in ranked]
+        tokens, parents, depth = cand.tokens.tolist(), cand.parents.tolist(), cand.depth.cpu().tolist()
         items: list[list | None] = [None] * len(rows)
         if branches and self.tree_size == "auto":
             for r, b in enumerate(rows):
                 if branches[b]:
-                    paths: list[tuple] = []
-                    for t, p in zip(tokens[r], parents[r]):  # parents come before their children
-                        paths.append((paths[p] if p >= 0 else ()) + (t,))
-                    items[r] = merge_branches(paths, scores[r].tolist(), branches[b])
+                    kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens[r], parents[r]))}
+                    items[r] = merge_branches(lambda node, t, kids=kids: kids.get((node, t)), depth,
+                                              unsorted(ranked[r], order[r].tolist()), branches[b])
                     valid[r] = [it[0] for it in items[r]]
         if self.tree_size == "auto":
             counts = self.verify_counts([v[:TREE_MAX_NODES] for v in valid], self._draft_cost(len(rows), draft_s))
@@ -462,8 +459,7 @@ class DSparkProposer(ModelDrafter):
             counts = [min(self.tree_size, len(v)) for v in valid]
         trees: list[TreeDraft | None] = [None] * len(seqs)
         own: list[int | None] = [None] * len(seqs)
-        raw, depth = ((cand.scores.cpu().tolist(), cand.depth.cpu().tolist()) if self.calibration is not None
-                      else ([[]] * len(rows), []))
+        raw = cand.scores.cpu().tolist() if self.calibration is not None else [[]] * len(rows)
         for r, b in enumerate(rows):
             # the calibration checks the unscaled predictions; parents come first
             chosen, extra = self.take_nodes(seqs[b], items[r], counts[r], order[r, : counts[r]].tolist(), raw[r], depth)
@@ -480,7 +476,7 @@ class DSparkProposer(ModelDrafter):
         todo = [b for b, br in enumerate(branches or []) if br and b not in drafted]
         if not todo:
             return prop
-        items = [merge_branches([], [], branches[b]) for b in todo]
+        items = [merge_branches(no_candidates, [], [], branches[b]) for b in todo]
         counts = self.verify_counts([[it[0] for it in row] for row in items])
         trees = list(prop.trees or [None] * len(seqs))
         own = list(prop.own_nodes or [None] * len(seqs))

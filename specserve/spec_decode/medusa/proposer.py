@@ -45,9 +45,9 @@ from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candi
 from specserve.spec_decode.cost_model import (
     TREE_SIZES,
     calibrated_lengths,
-    calibrated_scores,
     interp_cost,
     profile_sizes,
+    ranked_scores,
     tree_profile_sizes,
 )
 from specserve.spec_decode.medusa.config import MedusaOptions
@@ -55,12 +55,13 @@ from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 from specserve.spec_decode.model_drafter import ModelDrafter
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
-from specserve.spec_decode.tree_select import merge_branches
+from specserve.spec_decode.tree_select import merge_branches, unsorted
 
 log = logging.getLogger("specserve.medusa")
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "medusa-smollm2-135m"
 SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
+TEMPERATURE_CACHE = 256  # batches' temperature tables kept
 
 
 def default_head_accuracy(num_heads: int, topk: int) -> list[list[float]]:
@@ -117,6 +118,7 @@ class MedusaProposer(ModelDrafter):
         self._candidates: dict | None = None  # the dynamic tree mode's candidate paths (medusa_verify="auto")
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
+        self._temps: dict[tuple, torch.Tensor] = {}  # ``_temperatures`` by the batch's settings
         if self.acceptance == "typical":
             self.lossy_verify = self._typical
             log.warning("Medusa typical acceptance is LOSSY: outputs no longer follow the target distribution "
@@ -172,6 +174,7 @@ class MedusaProposer(ModelDrafter):
         self.head_temperatures = torch.tensor(  # calibration of the heads' probabilities (1: none recorded)
             [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)],
             device=device)
+        self._temps.clear()
         self.tree = self._build_tree(target)
         if self.verify_mode == "auto":
             max_seqs = getattr(target, "max_num_seqs", 1)
@@ -246,16 +249,18 @@ class MedusaProposer(ModelDrafter):
     def _candidate_index(tree: TreeBuffers, device="cpu") -> dict:
         """The dynamic mode's candidate paths (``tree``'s rank paths, sorted by depth) as tensors: ``flat``
         [P, D] (each path's entry at each depth of a request's top-k table flattened to [D * topk]; past
-        the path's end, the entry appended after the table: a 1.0 for its probability), ``flat_tokens``
-        (the same, a valid entry past the end), ``depth`` [P] (and as a list), ``max_depth`` D."""
+        the path's end, the entry appended after the table: a 1.0 for its probability), ``depth`` [P]
+        (and as a list), ``max_depth`` D, ``kids``: (parent path or -1, rank) -> path."""
         paths = tree.rank_paths
         D, k = max(len(p) for p in paths), tree.topk
         flat = torch.full((len(paths), D), D * k, dtype=torch.long)
         for i, p in enumerate(paths):
             flat[i, : len(p)] = torch.tensor([d * k + r for d, r in enumerate(p)], dtype=torch.long)
         depth = [len(p) for p in paths]
-        return {"paths": paths, "flat": flat.to(device), "flat_tokens": flat.clamp(max=D * k - 1).to(device),
-                "depth": torch.tensor(depth, device=device), "depth_list": depth, "max_depth": D}
+        index = {tuple(p): i for i, p in enumerate(paths)}
+        kids = {(index.get(tuple(p[:-1]), -1), p[-1]): i for i, p in enumerate(paths)}
+        return {"paths": paths, "flat": flat.to(device), "depth": torch.tensor(depth, device=device),
+                "depth_list": depth, "max_depth": D, "kids": kids}
 
     def _probs(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """[B, k, V'] head logits -> the heads' probabilities at each request's temperature (1 for
@@ -276,8 +281,14 @@ class MedusaProposer(ModelDrafter):
     def _temperatures(self, seqs, K: int, device) -> torch.Tensor:
         """[B, K]: each request's temperature (1 for greedy requests) times each of the first K heads'
         calibration temperature, what ``_probs`` and ``_top_probs`` divide the heads' logits by."""
-        t = torch.tensor([1.0 if s.params.greedy else float(s.params.temperature) for s in seqs], device=device)
-        return t.view(-1, 1) * self.head_temperatures[:K].view(1, -1)
+        key = (tuple(1.0 if s.params.greedy else float(s.params.temperature) for s in seqs), K)
+        t = self._temps.get(key)
+        if t is None:  # a batch's settings recur step after step: made once
+            t = torch.tensor(key[0], device=device).view(-1, 1) * self.head_temperatures[:K].view(1, -1)
+            if len(self._temps) >= TEMPERATURE_CACHE:
+                self._temps.clear()
+            self._temps[key] = t
+        return t
 
     def path_probs(self, top_probs: torch.Tensor) -> torch.Tensor:
         """Dynamic trees: ``top_probs`` [B, D, topk] (each head's top-k probabilities, rank order) ->
@@ -297,12 +308,7 @@ class MedusaProposer(ModelDrafter):
         the request's sampling settings (when it is on; this starts its step); paths deeper than the
         request's ``max_drafts`` score -1. Equal scores keep depth order, so every prefix of the first
         n paths is among them (a path never scores above its parent): each is a subtree."""
-        c = self._candidates
-        score = calibrated_scores(self.calibration, seqs, probs, c["depth"])
-        if min(max_drafts) < c["max_depth"]:  # (near max_tokens)
-            too_deep = c["depth"].unsqueeze(0) > torch.tensor(max_drafts, device=score.device).view(-1, 1)
-            score = torch.where(too_deep, torch.full_like(score, -1.0), score)
-        return score.sort(dim=1, descending=True, stable=True)
+        return ranked_scores(self.calibration, seqs, probs, self._candidates["depth"], max_drafts)
 
     def _subtree(self, idx: tuple[int, ...]) -> TreeBuffers:
         """The tree of the candidate paths ``idx`` (sorted)."""
@@ -314,40 +320,49 @@ class MedusaProposer(ModelDrafter):
         return self._candidates is not None
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
-        D = self._candidates["max_depth"]
+        c = self._candidates
+        D = c["max_depth"]
         top_p, top_i = self._top_probs(logits[:, :D], seqs)
-        top = self.heads.to_target(top_i)  # [B, D, topk] target ids
+        top = self.heads.to_target(top_i).reshape(len(seqs), -1).tolist()  # [B, D * topk] target ids
         raw = self.path_probs(top_p)
         score, order = self.path_scores(raw, max_drafts, seqs)
+        score, order = score.tolist(), order.tolist()
+        raw = raw.tolist() if self.calibration is not None else [None] * len(seqs)
         branches = branches or [None] * len(seqs)
         items = [self._merge_branches(top[b], score[b], order[b], br) if br else None
                  for b, br in enumerate(branches)]
-        surv = [[x for x in row if x >= 0.0] if it is None else [x[0] for x in it]
-                for row, it in zip(score.tolist(), items)]
+        surv = [[x for x in row if x >= 0.0] if it is None else [x[0] for x in it] for row, it in zip(score, items)]
         counts = self.verify_counts(surv)
         trees: list[TreeDraft | None] = []
         own: list[int | None] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
-            idx, extra = self.take_nodes(s, items[b], n, order[b, :n].tolist(), raw[b], self._candidates["depth"])
+            idx, extra = self.take_nodes(s, items[b], n, order[b][:n], raw[b], c["depth_list"])
             tree = None
             if idx:
                 buf = self._subtrees.get(tuple(idx))
-                tree = TreeDraft(tree_tokens_from_candidates(s.output_ids[-1], top[b], buf).tolist(), buf)
+                cand = [s.output_ids[-1]] + top[b]  # what ``tree_tokens_from_candidates`` indexes
+                tree = TreeDraft([cand[i] for i in buf.tree_indices.tolist()], buf)
             tree, n_own = self.with_branches(tree, s, extra)
             trees.append(tree)
             own.append(n_own)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
 
-    def _merge_branches(self, top: torch.Tensor, score: torch.Tensor, order: torch.Tensor, branches) -> list[tuple]:
-        """One request's candidate paths (``top`` [D, topk] its heads' tokens; ``score``/``order`` from
+    def _merge_branches(self, top: list[int], ranked: list[float], order: list[int], branches) -> list[tuple]:
+        """One request's candidate paths (``top`` [D * topk] its heads' tokens; ``ranked``/``order`` from
         ``path_scores``) and n-gram branches as ``tree_select.merge_branches`` items."""
-        c = self._candidates
-        tokens = top.reshape(-1)[c["flat_tokens"]].tolist()  # [P, D]: each path's tokens (any past its end)
-        paths = [tuple(tok[:d]) for tok, d in zip(tokens, c["depth_list"])]
-        scores = [0.0] * len(paths)
-        for s, i in zip(score.tolist(), order.tolist()):
-            scores[i] = s
-        return merge_branches(paths, scores, branches)
+        c, k = self._candidates, self.topk
+        depth, kids = c["depth_list"], c["kids"]
+        ranks: dict[int, dict[int, int]] = {}  # depth -> {token: its rank}, made when a branch gets there
+
+        def child(node: int, token: int) -> int | None:
+            d = depth[node] if node >= 0 else 0
+            if d >= c["max_depth"]:
+                return None
+            if d not in ranks:
+                ranks[d] = {t: r for r, t in enumerate(top[d * k : (d + 1) * k])}
+            return kids.get((node, ranks[d].get(token)))
+
+        return merge_branches(child, depth, unsorted(ranked, order), branches)
 
     def _typical(self, tokens, logits, tree, params, generator):
         return verify_typical(tokens, logits, tree, params.temperature, generator, self.posterior_threshold,
