@@ -1,0 +1,70 @@
+"""A drafter under two versions of specserve's Python code, interleaved prompt by prompt in one process
+with plain decoding (the only fair A/B on a shared machine, where two processes differ by 10-15%; two
+builds of the C++ ops: ``scripts/ops_builds.py``). The old version is a checkout (``git worktree add
+<dir> <commit>``) imported as ``specserve_old`` from a copy whose imports are renamed; each version
+loads the C++ ops of its own checkout. Held-out category prompts, greedy; prints tok/s over plain
+decoding per version and whether every answer equals plain decoding's. The figures of
+docs/drafters-by-category.md's thirteenth round come from ``python scripts/code_ab.py <old checkout>
+--method medusa --num-prompts 6`` (and ``--method dspark``)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from specserve import LLM
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments
+
+IMPORTS = re.compile(r"^(\s*)(from|import) specserve(?=[. ])", re.M)
+
+
+def import_old(root: Path):
+    """Checkout ``root``'s ``specserve`` package as module ``specserve_old``: a renamed copy in the temp dir,
+    at a path of its own per checkout (its C++ ops build, keyed by the path, is made once)."""
+    where = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:10]
+    dest = Path(tempfile.gettempdir()) / "specserve_code_ab" / where
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(root.resolve() / "specserve", dest / "specserve_old",
+                    ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    (dest / "specserve_old" / "checkpoints").symlink_to(root.resolve() / "specserve" / "checkpoints")
+    for f in (dest / "specserve_old").rglob("*.py"):
+        f.write_text(IMPORTS.sub(r"\1\2 specserve_old", f.read_text()))
+    sys.path.insert(0, str(dest))
+    return importlib.import_module("specserve_old")
+
+
+class OldLLM:
+    """The old version's ``LLM``, taking this version's ``SamplingParams`` (each version checks its own type)."""
+
+    def __init__(self, module, **kwargs):
+        self.module, self.llm = module, module.LLM(**kwargs)
+
+    def chat(self, messages, params, **kwargs):
+        old = self.module.SamplingParams(temperature=params.temperature, max_tokens=params.max_tokens)
+        return self.llm.chat(messages, old, **kwargs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path, help="checkout root of the old version")
+    ap.add_argument("--method", default="medusa", help="the speculative method both versions run")
+    args = parse_ab_arguments(ap)
+    spec = {"method": args.method}
+    engines = {"plain": LLM(), "old": OldLLM(import_old(args.old), speculative_config=spec),
+               "new": LLM(speculative_config=spec)}
+    prompts, wall, tokens, same = interleaved_chats(engines, args)
+    print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
+    print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
+    for name in engines:
+        print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | "
+              f"{same[name]}/{len(prompts)} |")
+
+
+if __name__ == "__main__":
+    main()
