@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from specserve import LLM
-from specserve.bench.categories import interleaved_chats, parse_ab_arguments
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments, print_ab_table
 
 IMPORTS = re.compile(r"^(\s*)(from|import) specserve(?=[. ])", re.M)
 
@@ -59,11 +59,7 @@ def main() -> None:
     engines = {"plain": LLM(), "old": OldLLM(import_old(args.old), speculative_config=spec),
                "new": LLM(speculative_config=spec)}
     prompts, wall, tokens, same = interleaved_chats(engines, args)
-    print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
-    print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
-    for name in engines:
-        print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | "
-              f"{same[name]}/{len(prompts)} |")
+    print_ab_table(f"{args.method}: ", args, engines, prompts, wall, tokens, same)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from specserve import LLM
-from specserve.bench.categories import interleaved_chats, parse_ab_arguments
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments, print_ab_table
 
 
 def main() -> None:
@@ -21,11 +21,7 @@ def main() -> None:
     engines = {"plain": LLM(), "table": LLM(speculative_config=spec), "steps": LLM(speculative_config=spec)}
     engines["table"].engine.proposer.step_cost = lambda n, seconds: None  # the start-up table only
     prompts, wall, tokens, same = interleaved_chats(engines, args)
-    print(f"{args.method}: {len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
-    print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
-    for name in engines:
-        print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall['plain'] / wall[name]:.3f}x | "
-              f"{same[name]}/{len(prompts)} |")
+    print_ab_table(f"{args.method}: ", args, engines, prompts, wall, tokens, same)
     counts = (1, 2, 3, 4, 6, 8, 12, 16)
     for name in ("table", "steps"):
         drafter = engines[name].engine.proposer
