@@ -371,7 +371,34 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
     row_weights(sr, sstride, 0.0);
     for (int c = 0; c < NV; ++c) acc[r * NV + c] = v16f{};
   }
-  // weighted values, two rows at a time (a row's sums are its own: pairing changes no order)
+  // weighted values, rows in tiles that share each loaded value (a row's sums are its own: tiling changes
+  // no order; every row once)
+  auto value_tile = [&](auto rows, int64_t r, int64_t jb, int64_t jn) {
+    constexpr int RT = decltype(rows)::value;
+    const float* p[RT];
+    v16f a[RT][NV];
+    double t[RT];
+    for (int k = 0; k < RT; ++k) {
+      p[k] = &s[(r + k) * sstride + jb];
+      for (int c = 0; c < NV; ++c) a[k][c] = acc[(r + k) * NV + c];
+      t[k] = total[r + k];
+    }
+    for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
+      const v16f* vv = &vb[j * NV];
+      for (int k = 0; k < RT; ++k) {
+        const float w = p[k][j];
+        if (w != 0.0f) {
+          t[k] += w;
+          for (int c = 0; c < NV; ++c) a[k][c] += w * vv[c];
+        }
+      }
+    }
+    for (int k = 0; k < RT; ++k) {
+      for (int c = 0; c < NV; ++c) acc[(r + k) * NV + c] = a[k][c];
+      total[r + k] = t[k];
+    }
+  };
+  constexpr int TILE = NV <= 4 ? 4 : 2;  // accumulators in registers
   for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
     const int64_t jn = std::min(KEY_BLOCK, jend - jb);
     const at::BFloat16* row = nullptr;
@@ -379,34 +406,13 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
       row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
       for (int c = 0; c < NV; ++c) vb[j * NV + c] = load16(row + 16 * c);
     }
-    for (int64_t r = 0; r < nr; r += 2) {
-      const int64_t r2 = std::min(r + 1, nr - 1);  // an odd last row pairs with itself
-      const float* p0 = &s[r * sstride + jb];
-      const float* p1 = &s[r2 * sstride + jb];
-      v16f a0[NV], a1[NV];
-      for (int c = 0; c < NV; ++c) {
-        a0[c] = acc[r * NV + c];
-        a1[c] = acc[r2 * NV + c];
-      }
-      double t0 = total[r], t1 = total[r2];
-      for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
-        const float w0 = p0[j], w1 = p1[j];
-        const v16f* vv = &vb[j * NV];
-        if (w0 != 0.0f) {
-          t0 += w0;
-          for (int c = 0; c < NV; ++c) a0[c] += w0 * vv[c];
-        }
-        if (w1 != 0.0f) {
-          t1 += w1;
-          for (int c = 0; c < NV; ++c) a1[c] += w1 * vv[c];
-        }
-      }
-      for (int c = 0; c < NV; ++c) {
-        acc[r * NV + c] = a0[c];
-        acc[r2 * NV + c] = a1[c];
-      }
-      total[r] = t0;
-      total[r2] = t1;
+    int64_t r = 0;
+    for (; r + TILE <= nr; r += TILE) value_tile(std::integral_constant<int, TILE>{}, r, jb, jn);
+    switch (nr - r) {
+      case 3: value_tile(std::integral_constant<int, 3>{}, r, jb, jn); break;
+      case 2: value_tile(std::integral_constant<int, 2>{}, r, jb, jn); break;
+      case 1: value_tile(std::integral_constant<int, 1>{}, r, jb, jn); break;
+      default: break;
     }
   }
   for (int64_t r = 0; r < nr; ++r) {
