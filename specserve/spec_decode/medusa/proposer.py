@@ -257,8 +257,8 @@ class MedusaProposer(ModelDrafter):
         for i, p in enumerate(paths):
             flat[i, : len(p)] = torch.tensor([d * k + r for d, r in enumerate(p)], dtype=torch.long)
         depth = [len(p) for p in paths]
-        index = {tuple(p): i for i, p in enumerate(paths)}
-        kids = {(index.get(tuple(p[:-1]), -1), p[-1]): i for i, p in enumerate(paths)}
+        # path i is the tree's node i + 1, so its parent path is the parent node's index - 1 (-1: the root)
+        kids = {(tree.parents[i + 1] - 1, p[-1]): i for i, p in enumerate(paths)}
         return {"paths": paths, "flat": flat.to(device), "depth": torch.tensor(depth, device=device),
                 "depth_list": depth, "max_depth": D, "kids": kids}
 
