@@ -2,8 +2,8 @@
 only fair A/B on a shared machine, where two processes differ by 10-15%): each build's ``csrc`` is
 compiled under its own module name, and the same loaded model switches between them round by round.
 A build is a checkout's root (``git worktree add <dir> <commit>`` for an old one). Prints the median ms
-of a forward appending n tokens to a 128-token context, per build, and their ratio. The figures of
-docs/quantization.md's "between the linears" paragraph come from
+of a forward appending n tokens to a context of ``--context`` positions (128), per build, and their
+ratio. The figures of docs/quantization.md's "between the linears" paragraph come from
 ``python scripts/ops_builds.py <old checkout> . --tokens 1,2,3,4,8 --rounds 12``."""
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import torch
 
 from specserve.layers import cpu_ops
 from specserve.layers.quant import GroupKernel
-
-CONTEXT = 128
-
 
 def build(root: Path, tag: str):
     """The ops of checkout ``root`` as module ``specserve_ops_<tag>`` (built once, in the temp dir)."""
@@ -40,7 +37,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--forwards", type=int, default=40, help="timed forwards per size and round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128, help="positions before the appended tokens")
     args = ap.parse_args()
+    context = args.context
     torch.set_num_threads(args.threads)
     from specserve.engine.model_runner import ModelRunner
     from specserve.models.loader import resolve_model_dir
@@ -64,18 +63,18 @@ def main() -> None:
         for r in range(args.rounds):
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 use(mods[name])
-                runner.forward(0, [[0] * CONTEXT], [0], "none")
+                runner.forward(0, [[0] * context], [0], "none")
                 for n in sizes:
                     for _ in range(3):
-                        runner.forward(0, [[0] * n], [CONTEXT], "all")
+                        runner.forward(0, [[0] * n], [context], "all")
                     ts = []
                     for _ in range(args.forwards):
                         t0 = time.perf_counter()
-                        runner.forward(0, [[0] * n], [CONTEXT], "all")
+                        runner.forward(0, [[0] * n], [context], "all")
                         ts.append(time.perf_counter() - t0)
                     ms[name][n].append(statistics.median(ts) * 1e3)
     med = {k: {n: statistics.median(v) for n, v in per.items()} for k, per in ms.items()}
-    print(f"ms of a forward appending n tokens after {CONTEXT} positions, medians of {args.rounds} rounds, "
+    print(f"ms of a forward appending n tokens after {context} positions, medians of {args.rounds} rounds, "
           f"{args.threads} threads")
     print("| build | " + " | ".join(f"n={n}" for n in sizes) + " |")
     print("|---|" + "---|" * len(sizes))

@@ -26,10 +26,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -109,9 +111,9 @@ constexpr int64_t ROW_CHUNK = 32;   // query rows of one kv head per task
 constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
 
 // a row's scores s[0, n) (n a multiple of 8) -> its softmax weights in place: exp(s - max) (float64 exp8,
-// rounded to T) for a score, ``hidden`` for a -inf score (every entry when all are -inf)
+// rounded to T) for a score, ``hidden`` for a -inf score (every entry when all are -inf); returns the max
 template <typename T>
-inline void row_weights(T* s, int64_t n, double hidden) {
+inline T row_weights(T* s, int64_t n, double hidden) {
   typedef T v8t __attribute__((vector_size(8 * sizeof(T))));
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   v8t mv = v8t{} + ninf;
@@ -132,6 +134,7 @@ inline void row_weights(T* s, int64_t n, double hidden) {
     v = __builtin_convertvector(p, v8t);
     std::memcpy(s + j, &v, sizeof(v));
   }
+  return m;
 }
 
 struct AttnArgs {
@@ -303,16 +306,110 @@ inline __m256i to_bf16(__m512 v) {
 inline void store16(at::BFloat16* p, __m256i b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
 
 // attn_task for bfloat16 q and cache (AVX-512 BF16 builds, D a multiple of 32): the same fixed-order rule in
-// float32. A score is one key's ``vdpbf16ps`` lanes (exact bfloat16 products, float32 sums) added in one
-// tree (hsum16) and scaled; weights exp(s - max) in float64 rounded to float32, 0 for a hidden key; the
-// weighted values summed in float32 and the weights in float64, both over the keys in cache order (a hidden
-// key adds nothing), one division and one rounding. Nothing depends on the other rows of the call, nor on
-// where hidden keys sit between the visible ones.
-template <int NC>  // NC = D / 32
+// float32, over a row's visible keys in parts of KEY_PART (the visible keys [k * KEY_PART, (k + 1) * KEY_PART)
+// in cache order: a rule on the keys a row sees, never on where they sit in the cache). A score is one
+// key's ``vdpbf16ps`` lanes (exact bfloat16 products, float32 sums) added in one tree (hsum16) and scaled;
+// in each part, weights exp(s - the part's max) in float64 rounded to float32, 0 for a hidden key; the
+// weighted values summed in float32 and the weights in float64, both over the part's keys in cache order (a
+// hidden key adds nothing). The parts are then joined in order in float64 (combine_parts), one division and
+// one rounding: a row of one part (up to KEY_PART keys) gets the bits of the one-pass rule. Nothing
+// depends on the other rows of the call, nor on which task computed which part.
+constexpr int64_t KEY_PART = 128;   // visible keys a part
+constexpr int64_t SPLIT_ROWS = 10;  // a kv head's rows up to which a step's tasks are parts of keys (attn_bf16)
+
+template <typename V>
+void grow(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// rows' parts: each part's max score, sum of weights and weighted values (NV vectors)
+struct PartSums {
+  std::vector<float> m;
+  std::vector<double> total;
+  std::vector<v16f> acc;
+  void fit(int64_t n, int NV) {
+    grow(m, n);
+    grow(total, n);
+    grow(acc, n * NV);
+  }
+};
+
+// a thread's attention buffers, grown as needed (a task allocates nothing)
+struct AttnScratch {
+  std::vector<__m512bh> qb;
+  std::vector<v16f> vb;
+  std::vector<int64_t> qi, start;
+  std::vector<const uint8_t*> mrow;
+  std::vector<float> s;
+  PartSums parts, shared;
+};
+thread_local AttnScratch attn_scratch;
+
+// parts [0, np) of one row (m, total, acc at part k: m[k], total[k], acc[k * NV ..]) -> its output row:
+// sum_k acc_k * exp(m_k - max) / sum_k total_k * exp(m_k - max) in float64, parts in order
+template <int NV>
+void combine_parts(const float* m, const double* total, const v16f* acc, int64_t np, at::BFloat16* op) {
+  typedef float v8f __attribute__((vector_size(32)));
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  float mx = ninf;
+  for (int64_t k = 0; k < np; ++k) mx = std::max(mx, m[k]);
+  v8d x[2 * NV] = {};
+  double sum = 0.0;
+  for (int64_t k0 = 0; mx != ninf && k0 < np; k0 += 8) {
+    v8d d = v8d{} + NEG_INF;  // the parts' factors exp(m - max), 8 at a time (exp8(0) is exactly 1)
+    for (int64_t k = k0; k < std::min(np, k0 + 8); ++k)
+      if (m[k] != ninf) d[k - k0] = static_cast<double>(m[k]) - static_cast<double>(mx);
+    const v8d f = exp8(d);
+    for (int64_t k = k0; k < std::min(np, k0 + 8); ++k) {
+      if (m[k] == ninf) continue;
+      sum += total[k] * f[k - k0];
+      for (int c = 0; c < NV; ++c) {
+        const v16f v = acc[k * NV + c];
+        x[2 * c] += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), v8d) * f[k - k0];
+        x[2 * c + 1] +=
+            __builtin_convertvector(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15), v8d) * f[k - k0];
+      }
+    }
+  }
+  for (int c = 0; c < NV; ++c) {  // x / sum rounded to float32, then to bfloat16 as c10 rounds
+    const v8f lo = __builtin_convertvector(sum > 0.0 ? x[2 * c] / sum : v8d{}, v8f);
+    const v8f hi = __builtin_convertvector(sum > 0.0 ? x[2 * c + 1] / sum : v8d{}, v8f);
+    const v16f y = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    store16(op + 16 * c, to_bf16(reinterpret_cast<__m512>(y)));
+  }
+}
+
+// where a masked row's parts start: st[k] (k in [0, nparts]) is the position of its visible key
+// k * KEY_PART, or L past its last one (the mask's bytes counted 8 at a time where contiguous)
+void mask_part_starts(const uint8_t* m, int64_t stride, int64_t L, int64_t nparts, int64_t* st) {
+  int64_t k = 0, seen = 0, j = 0;
+  for (; j < L && k <= nparts; ++j) {
+    if (stride == 1 && (j & 7) == 0 && j + 8 <= L) {
+      uint64_t w;
+      std::memcpy(&w, m + j, 8);  // bools: bytes of 0 or 1
+      const int64_t cnt = static_cast<int64_t>((w * 0x0101010101010101ULL) >> 56);
+      if (seen + cnt <= k * KEY_PART) {
+        seen += cnt;
+        j += 7;
+        continue;
+      }
+    }
+    if (!m[j * stride]) continue;
+    if (seen == k * KEY_PART) st[k++] = j;
+    ++seen;
+  }
+  for (; k <= nparts; ++k) st[k] = L;
+}
+
+// rows [r0, r1) of kv head ``kvh`` of sequence ``b``, parts [p0, p1) of their keys (of ``nparts``; a
+// masked row's starts in ``mask_starts``, (b * Q + i) * (nparts + 1) + k): the rows' outputs when that is
+// all parts; else their part sums into ``shared`` (rows (b * Q + i) * H + h, ``nparts`` entries each)
+template <int NC>
 void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16* cache, at::BFloat16* out,
-                    int64_t b, int64_t kvh, int64_t r0, int64_t r1) {
+                    int64_t b, int64_t kvh, int64_t r0, int64_t r1, int64_t p0, int64_t p1, int64_t nparts,
+                    const int64_t* mask_starts, PartSums* shared) {
   constexpr int NV = 2 * NC;  // float32 vectors of a value row
-  const int64_t D = a.D, L = a.L, G = a.G, nr = r1 - r0;
+  const int64_t D = a.D, L = a.L, G = a.G, nr = r1 - r0, np = p1 - p0;
   const int64_t i_max = (r1 - 1) / G;
   const int64_t jend = a.causal ? std::min(L, i_max + 1) : L;
   const int64_t* tab = a.tables + b * a.NB;
@@ -320,108 +417,137 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
   auto at = [&](int64_t kv, int64_t p) -> const at::BFloat16* {
     return cache + (((tab[p >> shift] * 2 + kv) * a.Hkv + kvh) * BS + (p & low)) * D;
   };
-  const int64_t sstride = std::max<int64_t>((jend + 15) / 16 * 16, 16);
-  std::vector<float> s(nr * sstride);
-  std::vector<__m512bh> qb(nr * NC);
-  std::vector<v16f> vb(KEY_BLOCK * NV), acc(nr * NV);
-  std::vector<double> total(nr, 0.0);
-  std::vector<int64_t> qi(nr);
-  std::vector<const uint8_t*> mrow(nr);
+  AttnScratch& sc = attn_scratch;
+  grow(sc.qb, nr * NC);
+  grow(sc.vb, KEY_BLOCK * NV);
+  grow(sc.qi, nr);
+  grow(sc.start, nr * (np + 1));  // row r's part k starts at start[r * (np + 1) + k]
+  grow(sc.mrow, nr);
+  __m512bh* qb = sc.qb.data();
+  v16f* vb = sc.vb.data();
+  int64_t *qi = sc.qi.data(), *start = sc.start.data();
+  const uint8_t** mrow = sc.mrow.data();
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
     qi[r] = i;
     const at::BFloat16* qp = q + b * a.qs0 + i * a.qs1 + h * a.qs2;
     for (int c = 0; c < NC; ++c) qb[r * NC + c] = (__m512bh)_mm512_loadu_si512(qp + 32 * c);
-    mrow[r] = a.mask ? a.mask + b * a.ms0 + i * a.ms2 : nullptr;
+    const uint8_t* m = a.mask ? a.mask + b * a.ms0 + i * a.ms2 : nullptr;
+    mrow[r] = m;
+    int64_t* st = &start[r * (np + 1)];
+    if (m) {
+      std::memcpy(st, mask_starts + (b * a.Q + i) * (nparts + 1) + p0, (np + 1) * sizeof(int64_t));
+    } else {
+      const int64_t n = a.causal ? std::min(L, i + 1) : L;
+      for (int64_t k = 0; k <= np; ++k) st[k] = std::min((p0 + k) * KEY_PART, n);
+    }
   }
+  sc.parts.fit(nr * np, NV);
+  float* pmax = sc.parts.m.data();  // part k of row r: pmax[r * np + k], ptotal[..], pacc[(r * np + k) * NV ..]
+  double* ptotal = sc.parts.total.data();
+  v16f* pacc = sc.parts.acc.data();
   const float scale = static_cast<float>(a.scale), ninf = -std::numeric_limits<float>::infinity();
   const at::BFloat16* kp[KEY_BLOCK];
-  // scores, 16 keys at a time (the last group's missing keys repeat a key; their scores land in the
-  // row's padding, overwritten below)
-  for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
-    const int64_t jn = std::min(KEY_BLOCK, jend - jb);
-    for (int64_t j = 0; j < jn; ++j) kp[j] = (j == 0 || ((jb + j) & low) == 0) ? at(0, jb + j) : kp[j - 1] + D;
-    for (int64_t j = jn; j < (jn + 15) / 16 * 16; ++j) kp[j] = kp[jn - 1];
+  for (int64_t k = 0; k < np; ++k) {
+    int64_t lo = jend, hi = 0;
     for (int64_t r = 0; r < nr; ++r) {
-      const __m512bh* qv = &qb[r * NC];
-      float* sr = &s[r * sstride + jb];
-      for (int64_t j0 = 0; j0 < jn; j0 += 16) {
-        v16f x[16];
-        for (int t = 0; t < 16; ++t) {
-          __m512 d = _mm512_setzero_ps();
-          for (int c = 0; c < NC; ++c) d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(kp[j0 + t] + 32 * c));
-          x[t] = reinterpret_cast<v16f>(d);
+      const int64_t* st = &start[r * (np + 1) + k];
+      if (st[1] > st[0]) lo = std::min(lo, st[0]), hi = std::max(hi, st[1]);
+    }
+    const int64_t sstride = hi > lo ? (hi - lo + 15) / 16 * 16 : 0;
+    grow(sc.s, nr * sstride);
+    float* s = sc.s.data();
+    // scores, 16 keys at a time (the last group's missing keys repeat a key; their scores land in the
+    // row's padding, set to -inf below), -inf outside the row's part and for a hidden key
+    for (int64_t jb = lo; jb < hi; jb += KEY_BLOCK) {
+      const int64_t jn = std::min(KEY_BLOCK, hi - jb);
+      for (int64_t j = 0; j < jn; ++j) kp[j] = (j == 0 || ((jb + j) & low) == 0) ? at(0, jb + j) : kp[j - 1] + D;
+      for (int64_t j = jn; j < (jn + 15) / 16 * 16; ++j) kp[j] = kp[jn - 1];
+      for (int64_t r = 0; r < nr; ++r) {
+        const __m512bh* qv = &qb[r * NC];
+        float* sr = s + r * sstride + (jb - lo);
+        for (int64_t j0 = 0; j0 < jn; j0 += 16) {
+          v16f x[16];
+          for (int t = 0; t < 16; ++t) {
+            __m512 d = _mm512_setzero_ps();
+            for (int c = 0; c < NC; ++c) d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(kp[j0 + t] + 32 * c));
+            x[t] = reinterpret_cast<v16f>(d);
+          }
+          const v16f sc = hsum16(x) * scale;
+          std::memcpy(sr + j0, &sc, sizeof(sc));
         }
-        const v16f sc = hsum16(x) * scale;
-        std::memcpy(sr + j0, &sc, sizeof(sc));
-      }
-      const uint8_t* m = mrow[r];
-      if (m) {
-        for (int64_t j = 0; j < jn; ++j)
-          if (!m[(jb + j) * a.ms3]) sr[j] = ninf;
-      } else if (a.causal) {
-        for (int64_t j = std::max<int64_t>(0, qi[r] + 1 - jb); j < jn; ++j) sr[j] = ninf;
+        const int64_t* st = &start[r * (np + 1) + k];
+        const int64_t a0 = std::clamp(st[0] - jb, int64_t{0}, jn), a1 = std::clamp(st[1] - jb, a0, jn);
+        for (int64_t j = 0; j < a0; ++j) sr[j] = ninf;
+        for (int64_t j = a1; j < jn; ++j) sr[j] = ninf;
+        if (const uint8_t* m = mrow[r])
+          for (int64_t j = a0; j < a1; ++j)
+            if (!m[(jb + j) * a.ms3]) sr[j] = ninf;
       }
     }
-  }
-  // weights
-  for (int64_t r = 0; r < nr; ++r) {
-    float* sr = &s[r * sstride];
-    for (int64_t j = jend; j < sstride; ++j) sr[j] = ninf;
-    row_weights(sr, sstride, 0.0);
-    for (int c = 0; c < NV; ++c) acc[r * NV + c] = v16f{};
-  }
-  // weighted values, rows in tiles that share each loaded value (a row's sums are its own: tiling changes
-  // no order; every row once)
-  auto value_tile = [&](auto rows, int64_t r, int64_t jb, int64_t jn) {
-    constexpr int RT = decltype(rows)::value;
-    const float* p[RT];
-    v16f a[RT][NV];
-    double t[RT];
-    for (int k = 0; k < RT; ++k) {
-      p[k] = &s[(r + k) * sstride + jb];
-      for (int c = 0; c < NV; ++c) a[k][c] = acc[(r + k) * NV + c];
-      t[k] = total[r + k];
+    // weights
+    for (int64_t r = 0; r < nr; ++r) {
+      float* sr = s + r * sstride;
+      for (int64_t j = std::max<int64_t>(hi - lo, 0); j < sstride; ++j) sr[j] = ninf;
+      pmax[r * np + k] = sstride ? row_weights(sr, sstride, 0.0) : ninf;
+      ptotal[r * np + k] = 0.0;
+      for (int c = 0; c < NV; ++c) pacc[(r * np + k) * NV + c] = v16f{};
     }
-    for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
-      const v16f* vv = &vb[j * NV];
-      for (int k = 0; k < RT; ++k) {
-        const float w = p[k][j];
-        if (w != 0.0f) {
-          t[k] += w;
-          for (int c = 0; c < NV; ++c) a[k][c] += w * vv[c];
+    // weighted values, rows in tiles that share each loaded value (a row's sums are its own: tiling changes
+    // no order; every row once)
+    auto value_tile = [&](auto rows, int64_t r, int64_t jb, int64_t jn) {
+      constexpr int RT = decltype(rows)::value;
+      const float* p[RT];
+      v16f acc[RT][NV];
+      double t[RT];
+      for (int e = 0; e < RT; ++e) {
+        p[e] = s + (r + e) * sstride + (jb - lo);
+        for (int c = 0; c < NV; ++c) acc[e][c] = pacc[((r + e) * np + k) * NV + c];
+        t[e] = ptotal[(r + e) * np + k];
+      }
+      for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
+        const v16f* vv = &vb[j * NV];
+        for (int e = 0; e < RT; ++e) {
+          const float w = p[e][j];
+          if (w != 0.0f) {
+            t[e] += w;
+            for (int c = 0; c < NV; ++c) acc[e][c] += w * vv[c];
+          }
         }
       }
-    }
-    for (int k = 0; k < RT; ++k) {
-      for (int c = 0; c < NV; ++c) acc[(r + k) * NV + c] = a[k][c];
-      total[r + k] = t[k];
-    }
-  };
-  constexpr int TILE = NV <= 4 ? 4 : 2;  // accumulators in registers
-  for (int64_t jb = 0; jb < jend; jb += KEY_BLOCK) {
-    const int64_t jn = std::min(KEY_BLOCK, jend - jb);
-    const at::BFloat16* row = nullptr;
-    for (int64_t j = 0; j < jn; ++j) {
-      row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
-      for (int c = 0; c < NV; ++c) vb[j * NV + c] = load16(row + 16 * c);
-    }
-    int64_t r = 0;
-    for (; r + TILE <= nr; r += TILE) value_tile(std::integral_constant<int, TILE>{}, r, jb, jn);
-    switch (nr - r) {
-      case 3: value_tile(std::integral_constant<int, 3>{}, r, jb, jn); break;
-      case 2: value_tile(std::integral_constant<int, 2>{}, r, jb, jn); break;
-      case 1: value_tile(std::integral_constant<int, 1>{}, r, jb, jn); break;
-      default: break;
+      for (int e = 0; e < RT; ++e) {
+        for (int c = 0; c < NV; ++c) pacc[((r + e) * np + k) * NV + c] = acc[e][c];
+        ptotal[(r + e) * np + k] = t[e];
+      }
+    };
+    constexpr int TILE = NV <= 4 ? 4 : 2;  // accumulators in registers
+    for (int64_t jb = lo; jb < hi; jb += KEY_BLOCK) {
+      const int64_t jn = std::min(KEY_BLOCK, hi - jb);
+      const at::BFloat16* row = nullptr;
+      for (int64_t j = 0; j < jn; ++j) {
+        row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
+        for (int c = 0; c < NV; ++c) vb[j * NV + c] = load16(row + 16 * c);
+      }
+      int64_t r = 0;
+      for (; r + TILE <= nr; r += TILE) value_tile(std::integral_constant<int, TILE>{}, r, jb, jn);
+      switch (nr - r) {
+        case 3: value_tile(std::integral_constant<int, 3>{}, r, jb, jn); break;
+        case 2: value_tile(std::integral_constant<int, 2>{}, r, jb, jn); break;
+        case 1: value_tile(std::integral_constant<int, 1>{}, r, jb, jn); break;
+        default: break;
+      }
     }
   }
   for (int64_t r = 0; r < nr; ++r) {
-    const int64_t i = qi[r], h = kvh * G + (r0 + r) % G;
-    at::BFloat16* op = out + ((b * a.Q + i) * a.H + h) * D;
-    const double sum = total[r];
-    for (int c = 0; c < NV; ++c) {
-      const v16f x = acc[r * NV + c];
-      for (int k = 0; k < 16; ++k) store_out(op + 16 * c + k, sum > 0.0 ? x[k] / sum : 0.0);
+    const int64_t i = qi[r], h = kvh * G + (r0 + r) % G, g = (b * a.Q + i) * a.H + h;
+    if (shared == nullptr) {
+      combine_parts<NV>(pmax + r * np, ptotal + r * np, pacc + r * np * NV, np, out + g * D);
+      continue;
+    }
+    for (int64_t k = 0; k < np; ++k) {
+      shared->m[g * nparts + p0 + k] = pmax[r * np + k];
+      shared->total[g * nparts + p0 + k] = ptotal[r * np + k];
+      for (int c = 0; c < NV; ++c) shared->acc[(g * nparts + p0 + k) * NV + c] = pacc[(r * np + k) * NV + c];
     }
   }
 }
@@ -467,21 +593,73 @@ void attn_run(const AttnArgs& a, const T* q, const T* cache, T* out, bool parall
   });
 }
 
+#if defined(__AVX512BF16__)
+// tasks [0, n) on the intra-op threads when ``parallel``, each thread taking the next task as it frees up
+// (a busy core of a shared machine takes fewer)
+template <typename F>
+void run_tasks_dynamic(int64_t n, bool parallel, F task) {
+  const int64_t workers = parallel ? std::min<int64_t>(at::get_num_threads(), n) : 1;
+  if (workers < 2) {
+    for (int64_t t = 0; t < n; ++t) task(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < n; t = next.fetch_add(1, std::memory_order_relaxed))
+      task(t);
+  });
+}
+
+// the float32 kernel's tasks. A step of few rows (up to SPLIT_ROWS a kv head, fewer tasks of whole rows
+// than two a thread) over more than one part of keys: a task per part (and per chunk of rows where parts alone make under four tasks a
+// thread), the full parts first, each row's parts joined by the task that finishes its rows' last part;
+// else attn_run_tasks' tasks, each over all parts of its rows.
+template <int NC>
+void attn_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16* cache, at::BFloat16* out,
+               bool parallel) {
+  constexpr int NV = 2 * NC;
+  const int64_t R = a.Q * a.G, heads = a.B * a.Hkv, threads = at::get_num_threads();
+  const int64_t nparts = std::max<int64_t>(1, (a.L + KEY_PART - 1) / KEY_PART);
+  std::vector<int64_t> mask_starts;
+  if (a.mask) {
+    mask_starts.resize(a.B * a.Q * (nparts + 1));
+    for (int64_t b = 0; b < a.B; ++b)
+      for (int64_t i = 0; i < a.Q; ++i)
+        mask_part_starts(a.mask + b * a.ms0 + i * a.ms2, a.ms3, a.L, nparts, &mask_starts[(b * a.Q + i) * (nparts + 1)]);
+  }
+  if (!parallel || nparts == 1 || R > SPLIT_ROWS || heads * ((R + ROW_CHUNK - 1) / ROW_CHUNK) >= 2 * threads)
+    return attn_run_tasks(a, parallel, [&](int64_t b, int64_t kvh, int64_t r0, int64_t r1) {
+      attn_task_bf16<NC>(a, q, cache, out, b, kvh, r0, r1, 0, nparts, nparts, mask_starts.data(), nullptr);
+    });
+  const int64_t rows = heads * nparts >= 4 * threads ? ROW_CHUNK : attn_chunk_rows(R, heads, true);
+  const int64_t chunks = (R + rows - 1) / rows, groups = heads * chunks;
+  PartSums& shared = attn_scratch.shared;  // the calling thread's
+  shared.fit(a.B * a.Q * a.H * nparts, NV);
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[groups]);
+  for (int64_t g = 0; g < groups; ++g) done[g].store(0, std::memory_order_relaxed);
+  run_tasks_dynamic(groups * nparts, true, [&](int64_t t) {
+    const int64_t p = t / groups, grp = t % groups;
+    const int64_t ch = grp % chunks, kvh = (grp / chunks) % a.Hkv, b = grp / (chunks * a.Hkv);
+    const int64_t r0 = ch * rows, r1 = std::min(R, r0 + rows);
+    attn_task_bf16<NC>(a, q, cache, out, b, kvh, r0, r1, p, p + 1, nparts, mask_starts.data(), &shared);
+    if (done[grp].fetch_add(1, std::memory_order_acq_rel) + 1 != nparts) return;
+    for (int64_t r = r0; r < r1; ++r) {  // the group's last part: its rows' outputs
+      const int64_t g = (b * a.Q + r / a.G) * a.H + kvh * a.G + r % a.G;
+      combine_parts<NV>(&shared.m[g * nparts], &shared.total[g * nparts], &shared.acc[g * nparts * NV], nparts,
+                        out + g * a.D);
+    }
+  });
+}
+#endif
+
 bool g_float64_attention = false;  // bfloat16 rows too through the float64 kernel (set_float64_attention)
 
 template <typename T>
 void attn_dispatch(const AttnArgs& a, const T* q, const T* cache, T* out, bool parallel) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (!g_float64_attention && (a.D == 64 || a.D == 128)) {
-      if (a.D == 64)
-        return attn_run_tasks(a, parallel, [&](int64_t b, int64_t kvh, int64_t r0, int64_t r1) {
-          attn_task_bf16<2>(a, q, cache, out, b, kvh, r0, r1);
-        });
-      return attn_run_tasks(a, parallel, [&](int64_t b, int64_t kvh, int64_t r0, int64_t r1) {
-        attn_task_bf16<4>(a, q, cache, out, b, kvh, r0, r1);
-      });
-    }
+    if (!g_float64_attention && (a.D == 64 || a.D == 128))
+      return a.D == 64 ? attn_bf16<2>(a, q, cache, out, parallel) : attn_bf16<4>(a, q, cache, out, parallel);
   }
 #endif
   switch (a.D / 8) {
