@@ -294,6 +294,18 @@ inline __m512 load16f(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (exact
 
 inline v16f load16(const at::BFloat16* p) { return reinterpret_cast<v16f>(load16f(p)); }
 
+// a row of 32 * NC bfloat16 -> float32 (exact) in pairs of vectors: out[2c] its elements 32c + 2l, out[2c + 1]
+// its elements 32c + 2l + 1 (l < 16): one load and one instruction a vector
+template <int NC>
+inline void widen_pairs(const at::BFloat16* p, v16f* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int c = 0; c < NC; ++c) {
+    const __m512i u = _mm512_loadu_si512(p + 32 * c);
+    out[2 * c] = reinterpret_cast<v16f>(_mm512_slli_epi32(u, 16));
+    out[2 * c + 1] = reinterpret_cast<v16f>(_mm512_and_si512(u, high));
+  }
+}
+
 // float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0)
 inline __m256i to_bf16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -322,7 +334,7 @@ void grow(V& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
-// rows' parts: each part's max score, sum of weights and weighted values (NV vectors)
+// rows' parts: each part's max score, sum of weights and weighted values (NV vectors, widen_pairs' order)
 struct PartSums {
   std::vector<float> m;
   std::vector<double> total;
@@ -337,7 +349,6 @@ struct PartSums {
 // a thread's attention buffers, grown as needed (a task allocates nothing)
 struct AttnScratch {
   std::vector<__m512bh> qb;
-  std::vector<v16f> vb;
   std::vector<int64_t> qi, start;
   std::vector<const uint8_t*> mrow;
   std::vector<float> s;
@@ -363,11 +374,16 @@ void combine_parts(const float* m, const double* total, const v16f* acc, int64_t
     for (int64_t k = k0; k < std::min(np, k0 + 8); ++k) {
       if (m[k] == ninf) continue;
       sum += total[k] * f[k - k0];
-      for (int c = 0; c < NV; ++c) {
-        const v16f v = acc[k * NV + c];
-        x[2 * c] += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), v8d) * f[k - k0];
-        x[2 * c + 1] +=
-            __builtin_convertvector(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15), v8d) * f[k - k0];
+      for (int c = 0; c < NV; c += 2) {  // the pairs (widen_pairs) interleaved back: elements 32c/2 + 0..31
+        const v16f e = acc[k * NV + c], o = acc[k * NV + c + 1];
+        const v8f q0 = __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19);
+        const v8f q1 = __builtin_shufflevector(e, o, 4, 20, 5, 21, 6, 22, 7, 23);
+        const v8f q2 = __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27);
+        const v8f q3 = __builtin_shufflevector(e, o, 12, 28, 13, 29, 14, 30, 15, 31);
+        x[2 * c] += __builtin_convertvector(q0, v8d) * f[k - k0];
+        x[2 * c + 1] += __builtin_convertvector(q1, v8d) * f[k - k0];
+        x[2 * c + 2] += __builtin_convertvector(q2, v8d) * f[k - k0];
+        x[2 * c + 3] += __builtin_convertvector(q3, v8d) * f[k - k0];
       }
     }
   }
@@ -419,12 +435,10 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
   };
   AttnScratch& sc = attn_scratch;
   grow(sc.qb, nr * NC);
-  grow(sc.vb, KEY_BLOCK * NV);
   grow(sc.qi, nr);
   grow(sc.start, nr * (np + 1));  // row r's part k starts at start[r * (np + 1) + k]
   grow(sc.mrow, nr);
   __m512bh* qb = sc.qb.data();
-  v16f* vb = sc.vb.data();
   int64_t *qi = sc.qi.data(), *start = sc.start.data();
   const uint8_t** mrow = sc.mrow.data();
   for (int64_t r = 0; r < nr; ++r) {
@@ -493,8 +507,8 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
       ptotal[r * np + k] = 0.0;
       for (int c = 0; c < NV; ++c) pacc[(r * np + k) * NV + c] = v16f{};
     }
-    // weighted values, rows in tiles that share each loaded value (a row's sums are its own: tiling changes
-    // no order; every row once)
+    // weighted values, rows in tiles that share each value widened from the cache (a row's sums are its
+    // own: tiling changes no order; every row once), a value row as pairs of vectors (widen_pairs)
     auto value_tile = [&](auto rows, int64_t r, int64_t jb, int64_t jn) {
       constexpr int RT = decltype(rows)::value;
       const float* p[RT];
@@ -505,8 +519,11 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
         for (int c = 0; c < NV; ++c) acc[e][c] = pacc[((r + e) * np + k) * NV + c];
         t[e] = ptotal[(r + e) * np + k];
       }
+      const at::BFloat16* row = nullptr;
       for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
-        const v16f* vv = &vb[j * NV];
+        row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
+        v16f vv[NV];
+        widen_pairs<NC>(row, vv);
         for (int e = 0; e < RT; ++e) {
           const float w = p[e][j];
           if (w != 0.0f) {
@@ -523,11 +540,6 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
     constexpr int TILE = NV <= 4 ? 4 : 2;  // accumulators in registers
     for (int64_t jb = lo; jb < hi; jb += KEY_BLOCK) {
       const int64_t jn = std::min(KEY_BLOCK, hi - jb);
-      const at::BFloat16* row = nullptr;
-      for (int64_t j = 0; j < jn; ++j) {
-        row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
-        for (int c = 0; c < NV; ++c) vb[j * NV + c] = load16(row + 16 * c);
-      }
       int64_t r = 0;
       for (; r + TILE <= nr; r += TILE) value_tile(std::integral_constant<int, TILE>{}, r, jb, jn);
       switch (nr - r) {
