@@ -7,9 +7,10 @@
 // are exact in float64) summed over the head dimension in 8 lanes (d mod 8) then a fixed tree, softmax in
 // float64 with the keys summed in order, the weighted value sum in float64 over the keys in order, and one
 // rounding to the output dtype (through float32, as torch's double -> bfloat16 copy rounds); float32
-// (attn_task_bf16; bfloat16 rows, head size 64 or 128): the same order with float32 scores and values
-// (see there): half the vector width per product, no conversion of the keys; on random data the same bits
-// as float64 in >99.9% of the outputs.
+// (attn_task_bf16; bfloat16 rows, head size 64 or 128): float32 scores and values over a row's keys in
+// parts of 128 it sees, the parts joined in float64 (see there): half the vector width per product, no
+// conversion of the keys, a row's parts computed on several threads; on random data the same bits as
+// float64 in >99.9% of the outputs.
 //
 // add_rms_norm / rms_norm: bfloat16 rows; the residual add is torch's (float32 sum rounded once), the
 // norm reproduces F.rms_norm on a bfloat16 input bit for bit: float32 squares summed in the order of
