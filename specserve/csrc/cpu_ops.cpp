@@ -478,6 +478,19 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
       const int64_t jn = std::min(KEY_BLOCK, hi - jb);
       for (int64_t j = 0; j < jn; ++j) kp[j] = (j == 0 || ((jb + j) & low) == 0) ? at(0, jb + j) : kp[j - 1] + D;
       for (int64_t j = jn; j < (jn + 15) / 16 * 16; ++j) kp[j] = kp[jn - 1];
+      {  // the next block's keys and this block's values, on their way while the scores are computed
+        const int64_t nn = std::min(KEY_BLOCK, hi - jb - KEY_BLOCK);
+        for (int64_t j = 0; j < nn; j += BS - ((jb + KEY_BLOCK + j) & low)) {
+          const char* p = reinterpret_cast<const char*>(at(0, jb + KEY_BLOCK + j));
+          const int64_t run = std::min(BS - ((jb + KEY_BLOCK + j) & low), nn - j) * D * 2;
+          for (int64_t o = 0; o < run; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+        }
+        for (int64_t j = 0; j < jn; j += BS - ((jb + j) & low)) {
+          const char* p = reinterpret_cast<const char*>(at(1, jb + j));
+          const int64_t run = std::min(BS - ((jb + j) & low), jn - j) * D * 2;
+          for (int64_t o = 0; o < run; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        }
+      }
       for (int64_t r = 0; r < nr; ++r) {
         const __m512bh* qv = &qb[r * NC];
         float* sr = s + r * sstride + (jb - lo);
