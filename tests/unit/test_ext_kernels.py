@@ -126,7 +126,7 @@ def test_attention_row_has_the_same_bits_whatever_shares_the_call(kernel):
     chain_mask = torch.ones(1, 1, K, P + K, dtype=torch.bool).tril(P)
     for work in (cpu_ops.PARALLEL_WORK, 0):
         assert torch.equal(_attn(q, cache, 0, P + K, chain_mask, parallel_work=work), singles)
-    # short chains (a verification): on 2 threads each kv head's rows are cut into two tasks
+    # short chains (a verification) on 2 threads: 2-3 tokens run a task per part of keys, 4 a task per half of the rows
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
