@@ -293,8 +293,6 @@ inline __m512 load16f(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (exact
   return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline v16f load16(const at::BFloat16* p) { return reinterpret_cast<v16f>(load16f(p)); }
-
 // a row of 32 * NC bfloat16 -> float32 (exact) in pairs of vectors: out[2c] its elements 32c + 2l, out[2c + 1]
 // its elements 32c + 2l + 1 (l < 16): one load and one instruction a vector
 template <int NC>
@@ -631,15 +629,14 @@ void run_tasks_dynamic(int64_t n, bool parallel, F task) {
   }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < n; t = next.fetch_add(1, std::memory_order_relaxed))
-      task(t);
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) task(t);
   });
 }
 
 // the float32 kernel's tasks. A step of few rows (up to SPLIT_ROWS a kv head, fewer tasks of whole rows
-// than two a thread) over more than one part of keys: a task per part (and per chunk of rows where parts alone make under four tasks a
-// thread), the full parts first, each row's parts joined by the task that finishes its rows' last part;
-// else attn_run_tasks' tasks, each over all parts of its rows.
+// than two a thread) over more than one part of keys: a task per part (and per chunk of rows where parts
+// alone make under four tasks a thread), the full parts first, each row's parts joined by the task that
+// finishes its rows' last part; else attn_run_tasks' tasks, each over all parts of its rows.
 template <int NC>
 void attn_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16* cache, at::BFloat16* out,
                bool parallel) {
@@ -651,7 +648,8 @@ void attn_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16* cac
     mask_starts.resize(a.B * a.Q * (nparts + 1));
     for (int64_t b = 0; b < a.B; ++b)
       for (int64_t i = 0; i < a.Q; ++i)
-        mask_part_starts(a.mask + b * a.ms0 + i * a.ms2, a.ms3, a.L, nparts, &mask_starts[(b * a.Q + i) * (nparts + 1)]);
+        mask_part_starts(a.mask + b * a.ms0 + i * a.ms2, a.ms3, a.L, nparts,
+                         &mask_starts[(b * a.Q + i) * (nparts + 1)]);
   }
   if (!parallel || nparts == 1 || R > SPLIT_ROWS || heads * ((R + ROW_CHUNK - 1) / ROW_CHUNK) >= 2 * threads)
     return attn_run_tasks(a, parallel, [&](int64_t b, int64_t kvh, int64_t r0, int64_t r1) {
