@@ -36,8 +36,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+// the float32 attention kernel: vdpbf16ps on AVX-512 BF16, the same operations as float32 FMAs on AVX2
+#define SPECSERVE_F32_ATTN 1
 #endif
 
 namespace {
@@ -269,11 +271,12 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(SPECSERVE_F32_ATTN)
 typedef float v16f __attribute__((vector_size(64)));
 
 // the sums of 16 vectors, each over its own 16 lanes in one fixed tree (pairs, then pairs of pairs, ..):
 // lane t of the result is x[t]'s sum
+#if defined(__AVX512BF16__)
 inline v16f hsum16(const v16f* x) {
   typedef int32_t v16i __attribute__((vector_size(64)));
   const v16i ev = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
@@ -284,7 +287,27 @@ inline v16f hsum16(const v16f* x) {
   for (int t = 0; t < 4; ++t) z[t] = pair(y[2 * t], y[2 * t + 1]);
   return pair(pair(z[0], z[1]), pair(z[2], z[3]));
 }
+#else
+// AVX2: the same tree, a pair's neighbours added by hadd (then put back in order)
+inline v16f hsum16(const v16f* x) {
+  auto half = [](const v16f& v, int h) { return reinterpret_cast<const __m256*>(&v)[h]; };
+  auto sums = [](__m256 lo, __m256 hi) {  // lo0 + lo1, lo2 + lo3, .., hi6 + hi7
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), 0xD8));
+  };
+  auto pair = [&](const v16f& a, const v16f& b) {
+    v16f r;
+    reinterpret_cast<__m256*>(&r)[0] = sums(half(a, 0), half(a, 1));
+    reinterpret_cast<__m256*>(&r)[1] = sums(half(b, 0), half(b, 1));
+    return r;
+  };
+  v16f y[8], z[4];
+  for (int t = 0; t < 8; ++t) y[t] = pair(x[2 * t], x[2 * t + 1]);
+  for (int t = 0; t < 4; ++t) z[t] = pair(y[2 * t], y[2 * t + 1]);
+  return pair(pair(z[0], z[1]), pair(z[2], z[3]));
+}
+#endif
 
+#if defined(__AVX512BF16__)
 inline __m512 widen16(__m256i b) {  // 16 bfloat16 (bits) -> float32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
@@ -315,6 +338,79 @@ inline __m256i to_bf16(__m512 v) {
 }
 
 inline void store16(at::BFloat16* p, __m256i b) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b); }
+
+inline void store_bf16(at::BFloat16* p, v16f v) { store16(p, to_bf16(reinterpret_cast<__m512>(v))); }
+
+// a query row as the scores read it: NC chunks of 32 bfloat16
+typedef __m512bh QChunk;
+template <int NC>
+inline void load_query(const at::BFloat16* p, QChunk* q) {
+  for (int c = 0; c < NC; ++c) q[c] = (__m512bh)_mm512_loadu_si512(p + 32 * c);
+}
+
+// one key's score lanes: lane l sums the products of elements 32c + 2l + 1, then 32c + 2l, chunk by chunk
+template <int NC>
+inline v16f key_lanes(const QChunk* q, const at::BFloat16* k) {
+  __m512 d = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) d = _mm512_dpbf16_ps(d, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  return reinterpret_cast<v16f>(d);
+}
+#else
+// AVX2 + FMA: the same operations on two halves of 8 lanes. A row of 32 * NC bfloat16 -> float32 in pairs
+// of vectors, as the AVX-512 widen_pairs below
+template <int NC>
+inline void widen_pairs(const at::BFloat16* p, v16f* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int c = 0; c < NC; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c + 16 * h));
+      reinterpret_cast<__m256*>(&out[2 * c])[h] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+      reinterpret_cast<__m256*>(&out[2 * c + 1])[h] = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+    }
+}
+
+// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0), 16 values
+inline void store_bf16(at::BFloat16* p, v16f v) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 f = reinterpret_cast<const __m256*>(&v)[h];
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8 * h),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+}
+
+// a query row as the scores read it: per chunk its even and odd elements as float32 (widen_pairs)
+struct QChunk {
+  v16f even, odd;
+};
+template <int NC>
+inline void load_query(const at::BFloat16* p, QChunk* q) {
+  v16f w[2 * NC];
+  widen_pairs<NC>(p, w);
+  for (int c = 0; c < NC; ++c) q[c] = QChunk{w[2 * c], w[2 * c + 1]};
+}
+
+inline v16f fma16(v16f a, v16f b, v16f c) {
+  v16f d;
+  for (int h = 0; h < 2; ++h)
+    reinterpret_cast<__m256*>(&d)[h] = _mm256_fmadd_ps(reinterpret_cast<const __m256*>(&a)[h],
+                                                       reinterpret_cast<const __m256*>(&b)[h],
+                                                       reinterpret_cast<const __m256*>(&c)[h]);
+  return d;
+}
+
+// one key's score lanes (the key widened by widen_pairs) as vdpbf16ps defines them: each lane adds its
+// odd element's exact product, rounds, then its even one's, chunk by chunk
+template <int NC>
+inline v16f widened_lanes(const QChunk* q, const v16f* w) {
+  v16f d = {};
+  for (int c = 0; c < NC; ++c) d = fma16(q[c].even, w[2 * c], fma16(q[c].odd, w[2 * c + 1], d));
+  return d;
+}
+#endif
 
 // attn_task for bfloat16 q and cache (AVX-512 BF16 builds, D a multiple of 32): the same fixed-order rule in
 // float32, over a row's visible keys in parts of KEY_PART (the visible keys [k * KEY_PART, (k + 1) * KEY_PART)
@@ -347,7 +443,7 @@ struct PartSums {
 
 // a thread's attention buffers, grown as needed (a task allocates nothing)
 struct AttnScratch {
-  std::vector<__m512bh> qb;
+  std::vector<QChunk> qb;
   std::vector<int64_t> qi, start;
   std::vector<const uint8_t*> mrow;
   std::vector<float> s;
@@ -390,7 +486,7 @@ void combine_parts(const float* m, const double* total, const v16f* acc, int64_t
     const v8f lo = __builtin_convertvector(sum > 0.0 ? x[2 * c] / sum : v8d{}, v8f);
     const v8f hi = __builtin_convertvector(sum > 0.0 ? x[2 * c + 1] / sum : v8d{}, v8f);
     const v16f y = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    store16(op + 16 * c, to_bf16(reinterpret_cast<__m512>(y)));
+    store_bf16(op + 16 * c, y);
   }
 }
 
@@ -437,14 +533,14 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
   grow(sc.qi, nr);
   grow(sc.start, nr * (np + 1));  // row r's part k starts at start[r * (np + 1) + k]
   grow(sc.mrow, nr);
-  __m512bh* qb = sc.qb.data();
+  QChunk* qb = sc.qb.data();
   int64_t *qi = sc.qi.data(), *start = sc.start.data();
   const uint8_t** mrow = sc.mrow.data();
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
     qi[r] = i;
     const at::BFloat16* qp = q + b * a.qs0 + i * a.qs1 + h * a.qs2;
-    for (int c = 0; c < NC; ++c) qb[r * NC + c] = (__m512bh)_mm512_loadu_si512(qp + 32 * c);
+    load_query<NC>(qp, &qb[r * NC]);
     const uint8_t* m = a.mask ? a.mask + b * a.ms0 + i * a.ms2 : nullptr;
     mrow[r] = m;
     int64_t* st = &start[r * (np + 1)];
@@ -489,19 +585,30 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
           for (int64_t o = 0; o < run; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
         }
       }
+#if !defined(__AVX512BF16__)
+      // AVX2: each 16 keys widened once for all the rows (vdpbf16ps reads them as stored, row by row below)
+      for (int64_t j0 = 0; j0 < jn; j0 += 16) {
+        v16f kw[16][2 * NC];
+        for (int t = 0; t < 16; ++t) widen_pairs<NC>(kp[j0 + t], kw[t]);
+        for (int64_t r = 0; r < nr; ++r) {
+          v16f x[16];
+          for (int t = 0; t < 16; ++t) x[t] = widened_lanes<NC>(&qb[r * NC], kw[t]);
+          const v16f sc = hsum16(x) * scale;
+          std::memcpy(s + r * sstride + (jb - lo) + j0, &sc, sizeof(sc));
+        }
+      }
+#endif
       for (int64_t r = 0; r < nr; ++r) {
-        const __m512bh* qv = &qb[r * NC];
         float* sr = s + r * sstride + (jb - lo);
+#if defined(__AVX512BF16__)
+        const QChunk* qv = &qb[r * NC];
         for (int64_t j0 = 0; j0 < jn; j0 += 16) {
           v16f x[16];
-          for (int t = 0; t < 16; ++t) {
-            __m512 d = _mm512_setzero_ps();
-            for (int c = 0; c < NC; ++c) d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(kp[j0 + t] + 32 * c));
-            x[t] = reinterpret_cast<v16f>(d);
-          }
+          for (int t = 0; t < 16; ++t) x[t] = key_lanes<NC>(qv, kp[j0 + t]);
           const v16f sc = hsum16(x) * scale;
           std::memcpy(sr + j0, &sc, sizeof(sc));
         }
+#endif
         const int64_t* st = &start[r * (np + 1) + k];
         const int64_t a0 = std::clamp(st[0] - jb, int64_t{0}, jn), a1 = std::clamp(st[1] - jb, a0, jn);
         for (int64_t j = 0; j < a0; ++j) sr[j] = ninf;
@@ -532,6 +639,7 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
         t[e] = ptotal[(r + e) * np + k];
       }
       const at::BFloat16* row = nullptr;
+#if defined(__AVX512BF16__)
       for (int64_t j = 0; j < jn; ++j) {  // a key a row does not see is never read for it
         row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
         v16f vv[NV];
@@ -544,12 +652,43 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
           }
         }
       }
+#else
+      // AVX2: the same sums as FMAs on halves of the vectors, each 16 values widened as they are used
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      for (int64_t j = 0; j < jn; ++j) {
+        row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
+        __m256 wv[RT];
+        bool any = false;
+        for (int e = 0; e < RT; ++e) {
+          wv[e] = _mm256_set1_ps(p[e][j]);
+          any |= p[e][j] != 0.0f;
+          if (p[e][j] != 0.0f) t[e] += p[e][j];
+        }
+        if (!any) continue;
+        for (int c = 0; c < NC; ++c)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c + 16 * h));
+            const __m256 ev = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+            const __m256 od = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+            for (int e = 0; e < RT; ++e) {
+              if (p[e][j] == 0.0f) continue;
+              __m256* ae = reinterpret_cast<__m256*>(&acc[e][2 * c]);
+              ae[h] = _mm256_fmadd_ps(wv[e], ev, ae[h]);
+              ae[2 + h] = _mm256_fmadd_ps(wv[e], od, ae[2 + h]);
+            }
+          }
+      }
+#endif
       for (int e = 0; e < RT; ++e) {
         for (int c = 0; c < NV; ++c) pacc[((r + e) * np + k) * NV + c] = acc[e][c];
         ptotal[(r + e) * np + k] = t[e];
       }
     };
+#if defined(__AVX512BF16__)
     constexpr int TILE = NV <= 4 ? 4 : 2;  // accumulators in registers
+#else
+    constexpr int TILE = 1;  // accumulators in registers (16 ymm)
+#endif
     for (int64_t jb = lo; jb < hi; jb += KEY_BLOCK) {
       const int64_t jn = std::min(KEY_BLOCK, hi - jb);
       int64_t r = 0;
@@ -617,7 +756,7 @@ void attn_run(const AttnArgs& a, const T* q, const T* cache, T* out, bool parall
   });
 }
 
-#if defined(__AVX512BF16__)
+#if defined(SPECSERVE_F32_ATTN)
 // tasks [0, n) on the intra-op threads when ``parallel``, each thread taking the next task as it frees up
 // (a busy core of a shared machine takes fewer)
 template <typename F>
@@ -680,7 +819,7 @@ bool g_float64_attention = false;  // bfloat16 rows too through the float64 kern
 
 template <typename T>
 void attn_dispatch(const AttnArgs& a, const T* q, const T* cache, T* out, bool parallel) {
-#if defined(__AVX512BF16__)
+#if defined(SPECSERVE_F32_ATTN)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (!g_float64_attention && (a.D == 64 || a.D == 128))
       return a.D == 64 ? attn_bf16<2>(a, q, cache, out, parallel) : attn_bf16<4>(a, q, cache, out, parallel);

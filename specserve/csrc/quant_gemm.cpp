@@ -1,4 +1,5 @@
-// Weight-only quantized GEMM on AVX-512 BF16 CPUs (built with cpu_ops.cpp by specserve/layers/cpu_ops.py).
+// Weight-only quantized GEMM on AVX-512 BF16 CPUs and, below, on AVX2 + FMA ones (built with cpu_ops.cpp by
+// specserve/layers/cpu_ops.py).
 //
 // y[M, N] = x[M, K] W^T for W in groups of 32 input columns: 4-bit codes c (0..15) with w = c * d + m
 // (GGUF Q4_0 / Q4_1, specserve's int4) or 8-bit codes q (-128..127) with w = q * d (GGUF Q8_0), d and m
@@ -199,10 +200,215 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t gra
 
 bool group_gemm_available() { return true; }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The same kernel for CPUs with AVX2 and FMA but no AVX-512 BF16 (most laptops): the same packed layout
+// and the same operations in the same order as vdpbf16ps defines them (each lane: the odd input's exact
+// product added, rounded, then the even one's; inputs below float32's normal range read as zero), as
+// float32 FMAs on 8 output rows at a time. A 16-byte half chunk widens to 8 lanes of 16-bit words that
+// hold 4 codes each (4-bit: even input low / high nibble in bits 0-3 / 4-7, odd input in bits 8-11 /
+// 12-15); each code is masked where it sits and converted to float32 (its value times 1, 16, 256 or
+// 4096), and meets x scaled by the inverse power of two (``scaled_rows``): the product, and so every
+// rounding after it, is that of the code and x.
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRows = 16;
+constexpr int64_t kHalf = 8;  // output rows a pass computes (float32 lanes of a ymm register)
+constexpr int64_t kQ4Block = 256 + 64;
+constexpr int64_t kQ8Block = 512 + 32;
+constexpr int kMaxTile = 8;  // the max_tile the call accepts (as the AVX-512 kernel)
+constexpr int kTile = 4;     // rows of x that share each unpacked chunk (16 ymm registers)
+
+inline float bf16_in(at::BFloat16 v) {  // as vdpbf16ps reads an input: a subnormal is zero
+  const float f = static_cast<float>(v);
+  return (reinterpret_cast<const uint16_t&>(v) & 0x7F80) == 0 ? 0.0f * f : f;
+}
+
+// x [M, K] as float32, each value divided by the power of two its code is multiplied by in the packed
+// word: 4-bit, inputs k < 16 of a group: even 1, odd 256; k >= 16: even 16, odd 4096; 8-bit: even 1,
+// odd 256. Exact: x's 8 significant bits stay above float32's smallest subnormal after the division.
+std::vector<float> scaled_rows(const at::BFloat16* x, int64_t M, int64_t K, bool q8) {
+  float inv[kGroup];
+  for (int64_t k = 0; k < kGroup; ++k)
+    inv[k] = q8 ? (k & 1 ? 1.0f / 256 : 1.0f) : (k < 16 ? (k & 1 ? 1.0f / 256 : 1.0f) : (k & 1 ? 1.0f / 4096 : 1.0f / 16));
+  std::vector<float> out(M * K);
+  for (int64_t i = 0; i < M * K; ++i) out[i] = bf16_in(x[i]) * inv[i % kGroup];
+  return out;
+}
+
+// xs[i, g]: x[i, 32 g] + ... + x[i, 32 g + 31] added in order in float32 (as the AVX-512 kernel),
+// eight groups at a time so that their chains overlap
+void group_sums(const at::BFloat16* x, int64_t M, int64_t K, float* xs) {
+  const int64_t groups = K / kGroup;
+  for (int64_t i = 0; i < M; ++i) {
+    const at::BFloat16* row = x + i * K;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+      const int64_t n = std::min<int64_t>(8, groups - g0);
+      float s[8] = {};
+      for (int64_t k = 0; k < kGroup; ++k)
+        for (int64_t e = 0; e < n; ++e) s[e] += static_cast<float>(row[(g0 + e) * kGroup + k]);
+      for (int64_t e = 0; e < n; ++e) xs[i * groups + g0 + e] = s[e];
+    }
+  }
+}
+
+inline __m128i to_bf16x8(__m256 v) {  // round to nearest even (NaN stays NaN), as vcvtneps2bf16
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// NH sets of 8 output rows (w[j]: a block's start + 16 bytes for its second half; y[j]: their first
+// output column) over all groups, for MT rows of x (xq: scaled_rows). Each lane's sums form two chains
+// of 16 dependent FMAs a group: a pass of one row keeps two halves (4 chains) in flight.
+template <bool Q8, int MT, int NH>
+inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq, int64_t ldx, const float* xs,
+                        at::BFloat16* const* y, int64_t ldy) {
+  constexpr int64_t kBlock = Q8 ? kQ8Block : kQ4Block;
+  __m256 tot[NH][MT];
+  for (int j = 0; j < NH; ++j)
+    for (int r = 0; r < MT; ++r) tot[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg[MT];
+    for (int r = 0; r < MT; ++r) xg[r] = xq + r * ldx + g * kGroup;
+    __m256 a0[NH][MT], a1[NH][MT];
+    for (int j = 0; j < NH; ++j)
+      for (int r = 0; r < MT; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
+    if constexpr (!Q8) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c)
+        for (int j = 0; j < NH; ++j) {
+          const uint8_t* b = w[j] + g * kBlock + 32 * c;
+          const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+          const __m256 el = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x000F)));
+          const __m256 eh = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x00F0)));
+          const __m256 ol = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F00)));
+          const __m256 oh = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF000)));
+          for (int r = 0; r < MT; ++r) {
+            a0[j][r] = _mm256_fmadd_ps(ol, _mm256_broadcast_ss(xg[r] + 2 * c + 1), a0[j][r]);
+            a0[j][r] = _mm256_fmadd_ps(el, _mm256_broadcast_ss(xg[r] + 2 * c), a0[j][r]);
+            a1[j][r] = _mm256_fmadd_ps(oh, _mm256_broadcast_ss(xg[r] + 17 + 2 * c), a1[j][r]);
+            a1[j][r] = _mm256_fmadd_ps(eh, _mm256_broadcast_ss(xg[r] + 16 + 2 * c), a1[j][r]);
+          }
+        }
+      for (int j = 0; j < NH; ++j) {
+        const uint8_t* b = w[j] + g * kBlock;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288)));
+        for (int r = 0; r < MT; ++r) {
+          tot[j][r] = _mm256_fmadd_ps(_mm256_add_ps(a0[j][r], a1[j][r]), d, tot[j][r]);
+          tot[j][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * groups + g]), tot[j][r]);
+        }
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c)
+        for (int j = 0; j < NH; ++j) {
+          const uint8_t* b = w[j] + g * kBlock + 32 * c;
+          const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+          const __m256 ev = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+          const __m256 od = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(~0xFF)));
+          for (int r = 0; r < MT; ++r) {
+            __m256& acc = (c & 1) ? a1[j][r] : a0[j][r];
+            acc = _mm256_fmadd_ps(od, _mm256_broadcast_ss(xg[r] + 2 * c + 1), acc);
+            acc = _mm256_fmadd_ps(ev, _mm256_broadcast_ss(xg[r] + 2 * c), acc);
+          }
+        }
+      for (int j = 0; j < NH; ++j) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + g * kBlock + 512)));
+        for (int r = 0; r < MT; ++r) tot[j][r] = _mm256_fmadd_ps(_mm256_add_ps(a0[j][r], a1[j][r]), d, tot[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NH; ++j)
+    for (int r = 0; r < MT; ++r)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y[j] + r * ldy), to_bf16x8(tot[j][r]));
+}
+
+// MT rows of x against the halves of blocks [nb0, nb1) (at most 2 blocks), NH halves a pass
+template <bool Q8, int MT>
+inline void tile_blocks(const uint8_t* pw, int64_t bstride, int64_t nb0, int64_t nb1, int64_t groups,
+                        const float* xq, int64_t K, const float* xs, at::BFloat16* y, int64_t N) {
+  constexpr int NH = MT == 1 ? 2 : 1;
+  const uint8_t* w[4];
+  at::BFloat16* yo[4];
+  const int64_t nh = 2 * (nb1 - nb0);
+  for (int64_t j = 0; j < nh; ++j) {
+    w[j] = pw + (nb0 + j / 2) * bstride + 16 * (j % 2);
+    yo[j] = y + (nb0 + j / 2) * kRows + kHalf * (j % 2);
+  }
+  for (int64_t j = 0; j < nh; j += NH) halves_tile<Q8, MT, NH>(w + j, groups, xq, K, xs, yo + j, N);
+}
+
+// blocks [b0, b1) two at a time, each pair against every tile of rows (tiles of near-equal size), so that
+// a pair's weights are read from memory once
+template <bool Q8>
+void block_rows(const uint8_t* pw, int64_t bstride, int64_t b0, int64_t b1, int64_t groups, const float* xq,
+                int64_t M, int64_t K, const float* xs, at::BFloat16* y, int64_t N, int64_t max_tile) {
+  const int64_t tiles = (M + max_tile - 1) / max_tile;
+  for (int64_t nb = b0; nb < b1; nb += 2) {
+    const int64_t ne = std::min(nb + 2, b1);
+    for (int64_t t = 0, i = 0; t < tiles; ++t) {
+      const int64_t mt = M / tiles + (t < M % tiles ? 1 : 0);
+      switch (mt) {
+#define SPECSERVE_TILE(n) \
+  case n: tile_blocks<Q8, n>(pw, bstride, nb, ne, groups, xq + i * K, K, xs + i * groups, y + i * N, N); break;
+        SPECSERVE_TILE(1) SPECSERVE_TILE(2) SPECSERVE_TILE(3) SPECSERVE_TILE(4)
+#undef SPECSERVE_TILE
+        default: break;
+      }
+      i += mt;
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K] bfloat16, packed [N / 16, K / 32, block] uint8 (block 320: 4-bit, 544: 8-bit) -> y [M, N] bfloat16.
+at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile) {
+  TORCH_CHECK(max_tile >= 1 && max_tile <= kMaxTile, "group_gemm: max_tile must be 1..", kMaxTile);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "group_gemm: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "group_gemm: packed must be uint8 [N/16, K/32, B]");
+  TORCH_CHECK(bits == 4 || bits == 8, "group_gemm: bits must be 4 or 8");
+  const bool q8 = bits == 8;
+  TORCH_CHECK(packed.size(2) == (q8 ? kQ8Block : kQ4Block), "group_gemm: packed block size does not match bits");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), groups = packed.size(1), N = NB * kRows;
+  TORCH_CHECK(groups * kGroup == K, "group_gemm: x has ", K, " columns, the weight ", groups * kGroup);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* px = x.data_ptr<at::BFloat16>();
+  std::vector<float> xs(M * groups);
+  if (!q8) group_sums(px, M, K, xs.data());
+  const std::vector<float> xq = scaled_rows(px, M, K, q8);
+  const uint8_t* pw = packed.data_ptr<uint8_t>();
+  auto* py = y.data_ptr<at::BFloat16>();
+  const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block), tile = std::min<int64_t>(max_tile, kTile);
+  auto run = [&](int64_t b0, int64_t b1) {
+    if (q8)
+      block_rows<true>(pw, bstride, b0, b1, groups, xq.data(), M, K, xs.data(), py, N, tile);
+    else
+      block_rows<false>(pw, bstride, b0, b1, groups, xq.data(), M, K, xs.data(), py, N, tile);
+  };
+  if (NB >= 2 * grain)
+    at::parallel_for(0, NB, grain, run);
+  else
+    run(0, NB);
+  return y;
+}
+
+bool group_gemm_available() { return true; }
+
 #else
 
 at::Tensor group_gemm(at::Tensor, at::Tensor, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "group_gemm needs a CPU with AVX-512 BF16 (this build has none)");
+  TORCH_CHECK(false, "group_gemm needs a CPU with AVX-512 BF16 or AVX2 + FMA (this build has neither)");
 }
 
 bool group_gemm_available() { return false; }

@@ -1,16 +1,17 @@
 """The C++ CPU ops of the bfloat16 decoding step (``specserve/csrc/cpu_ops.cpp``): batch-invariant
 attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
-the AVX-512 BF16 kernel is built, float64 otherwise and for float32 rows), the fused residual add +
+the ops are built for AVX-512 BF16 or AVX2, float64 otherwise and for float32 rows), the fused residual add +
 RMSNorm, a whole decoder layer of a quantized model in one call, the drafters' candidate search
 (``softmax_topk``: Medusa's heads, DSpark per depth; ``tree_search``: a whole DSpark tree), torch's
 ``argmax`` in one pass a row (``argmax``: the greedy token of every verification), and
-(``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 builds only) the group kernel of 4- and 8-bit weights
-(``layers.quant.GroupKernel``).
+(``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 and AVX2 builds) the group kernel of 4- and 8-bit
+weights (``layers.quant.GroupKernel``).
 
 Built with ``torch.utils.cpp_extension.load`` on first use (~40 s) into the specserve cache
 (``cache_root() / "torch_ext"``), so later processes load it at once. ``-O3 -fopenmp`` (the ops'
 ``at::parallel_for`` runs on torch's own OpenMP threads), plus ``-mavx512f -mavx512bw -mavx512bf16``
-only where this CPU has them (checked at run time): the build directory is named after the variant.
+where this CPU has them, else ``-mavx2 -mfma -mf16c`` where it has those (checked at run time): the build
+directory is named after the variant.
 Where the build fails (no compiler) or ``SPECSERVE_NO_EXT=1`` is set, ``get`` returns None and the
 callers use their PyTorch code (one log line says so). ``ENABLED`` (module flag) switches the ops off
 in a running process (benchmarks compare both ways)."""
@@ -54,7 +55,14 @@ def _variant() -> tuple[str, list[str]]:
     flags = _cpu_flags()
     if cap.startswith("AVX512") and {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
         return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
+    if cap in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
+
+
+def variant() -> str:
+    """Which build of the ops this CPU takes: "avx512" (AVX-512 BF16), "avx2" (AVX2 + FMA) or "generic"."""
+    return _variant()[0]
 
 
 def norm_vec_width() -> int:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import torch
 
 from specserve.layers.attention import Attention
-from specserve.layers.linear import PackedGEMM, lone_row_differs
+from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
 from specserve.layers.quant import rows_invariant
 
 
 def pack_linears(module: torch.nn.Module) -> None:
     """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
-    costs little more than one token's (call after the weights are loaded)."""
+    costs little more than one token's (call after the weights are loaded). A quantized weight gets its
+    kernel; a dense one is packed only where oneDNN packs its dtype on this CPU (bfloat16 needs AVX-512),
+    else it stays as it is."""
+    packs: dict[torch.dtype, bool] = {}
     for m in module.modules():
-        if isinstance(m, PackedGEMM):
+        if not isinstance(m, PackedGEMM):
+            continue
+        dtype = m.weight.dtype
+        if m.quant is None and dtype not in packs:
+            packs[dtype] = mkldnn_packing_available(dtype)
+        if m.quant is not None or packs[dtype]:
             m.pack()
 
 

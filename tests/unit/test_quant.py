@@ -30,7 +30,7 @@ def _group_ops():
     return ops is not None and ops.group_gemm_available()
 
 
-needs_group_kernel = pytest.mark.skipif(not _group_ops(), reason="the C++ group kernel needs AVX-512 BF16")
+needs_group_kernel = pytest.mark.skipif(not _group_ops(), reason="the C++ group kernel needs AVX-512 BF16 or AVX2")
 GROUP_KINDS = {"int4-g32": (4, 32), "int4-g64": (4, 64), "int8-g32 (Q8_0 layout)": (8, 32)}
 
 
@@ -159,6 +159,72 @@ def test_group_kernel_sums_each_group_of_x_in_order():
     assert torch.equal(k(x[2:3]), y[2:3])
 
 
+def _vdpbf16ps_order(x: np.ndarray, qt: QuantTensor, swapped: bool = False) -> np.ndarray:
+    """The group kernel's float32 outputs as its operations define them, every step rounded to float32:
+    per group two chains over the chunks in order, each adding its lane's odd input's product, then the
+    even one's (vdpbf16ps; ``swapped``: the even one first, a wrong order the test must tell apart); the
+    chains added, times d, plus m times the group's sum of x (in order)."""
+    x = x.astype(np.float64)
+    codes = qt.codes.numpy().astype(np.float64)
+    d = qt.scale.numpy().astype(np.float64)
+    m = None if qt.offset is None else qt.offset.numpy().astype(np.float64)
+    f32 = lambda v: v.astype(np.float32).astype(np.float64)  # noqa: E731
+    tot = np.zeros((x.shape[0], codes.shape[0]))
+    for g in range(codes.shape[1] // 32):
+        xg, cg = x[:, 32 * g : 32 * g + 32], codes[:, 32 * g : 32 * g + 32]
+        a = [np.zeros_like(tot), np.zeros_like(tot)]
+        for c in range(8 if qt.bits == 4 else 16):
+            # 4 bits: chunk c holds inputs 2c, 2c + 1 (chain 0) and 16 + 2c, 17 + 2c (chain 1); 8 bits:
+            # chunk c holds inputs 2c, 2c + 1, even chunks in chain 0
+            pairs = [(0, 2 * c), (1, 16 + 2 * c)] if qt.bits == 4 else [(c % 2, 2 * c)]
+            for chain, k in pairs:
+                for e in ((0, 1) if swapped else (1, 0)):
+                    a[chain] = f32(a[chain] + np.outer(xg[:, k + e], cg[:, k + e]))
+        tot = f32((f32(a[0] + a[1])) * d[:, g] + tot)
+        if m is not None:
+            xs = np.zeros(x.shape[0])
+            for k in range(32):
+                xs = f32(xs + xg[:, k])
+            tot = f32(np.outer(xs, m[:, g]) + tot)
+    return tot.astype(np.float32)
+
+
+@pytest.mark.skipif(not _group_ops() or cpu_ops.variant() != "avx2", reason="the AVX2 build of the group kernel")
+@pytest.mark.parametrize("kind", list(GROUP_KINDS))
+def test_avx2_group_kernel_runs_the_operations_of_vdpbf16ps(kind):
+    """The AVX2 kernel (float32 FMAs on codes masked where they sit and x scaled by the inverse power of
+    two) gives the bits of the operations it emulates, step by step; a kernel that added a lane's two
+    products the other way round, or summed the chunks in another order, would not."""
+    bits, group = GROUP_KINDS[kind]
+    g = torch.Generator().manual_seed(5)
+    qt = quantize(torch.randn(48, 256, generator=g) * 0.1, bits, group)
+    k = make_kernel(qt)
+    x = (torch.randn(7, 256, generator=g) * torch.rand(7, 1, generator=g) * 4).to(torch.bfloat16)
+    qt32 = QuantTensor(qt.codes, qt.scale.repeat_interleave(group // 32, 1),
+                       None if qt.offset is None else qt.offset.repeat_interleave(group // 32, 1), 32, bits, qt.kind)
+    want = torch.from_numpy(_vdpbf16ps_order(x.float().numpy(), qt32)).to(torch.bfloat16)
+    assert torch.equal(k(x), want)
+    # unit codes and scales; x multiples of 4 but for the last two pairs of each chain: (s, B), (t, -B)
+    # with B = 2^25 (float32 steps of 4 there) and |s|, |t| = 1. The odd input first keeps t (B + s
+    # rounds to B, -B cancels it, t stays); the even one first loses it (B + t rounds to B)
+    N, K = 16, 64
+    unit = QuantTensor(torch.ones(N, K, dtype=torch.uint8 if bits == 4 else torch.int8), torch.ones(N, K // 32),
+                       torch.zeros(N, K // 32) if bits == 4 else None, 32, bits, "unit")
+    rng = np.random.default_rng(6)
+    xv = 4.0 * rng.integers(-8, 9, (3, K))
+    runs = [(12, 14), (28, 30)] if bits == 4 else [(24, 28), (26, 30)]  # each chain's last two pairs
+    for g0 in range(0, K, 32):
+        for a, b in runs:
+            big = rng.choice([-1.0, 1.0], 3) * 2.0**25
+            xv[:, g0 + a], xv[:, g0 + a + 1] = rng.choice([-1.0, 1.0], 3), big
+            xv[:, g0 + b], xv[:, g0 + b + 1] = rng.choice([-1.0, 1.0], 3), -big
+    x = torch.tensor(xv, dtype=torch.float32).to(torch.bfloat16)
+    want = torch.from_numpy(_vdpbf16ps_order(x.float().numpy(), unit)).to(torch.bfloat16)
+    assert torch.equal(make_kernel(unit)(x), want)
+    swapped = _vdpbf16ps_order(x.float().numpy(), unit, swapped=True)
+    assert not torch.equal(torch.from_numpy(swapped).to(torch.bfloat16), want)  # the data tells the orders apart
+
+
 @needs_group_kernel
 @pytest.mark.parametrize("kind", list(GGUF_BLOCKS))
 def test_group_kernel_computes_gguf_blocks_as_stored(kind):
@@ -225,6 +291,28 @@ def test_decoder_layer_in_one_call_keeps_the_bits(tiny_llama, tmp_path, kind, he
 
 class _Ctx:  # what ``one_call`` reads of a ForwardContext
     mask = None
+
+
+def test_pack_linears_leaves_dense_weights_oneDNN_cannot_pack(monkeypatch):
+    """Where oneDNN does not pack a dtype (bfloat16 on a CPU without AVX-512), ``pack_linears`` gives a
+    quantized linear its kernel and leaves a dense one as it is (it once failed there, in a drafter with
+    8-bit linears beside a dense Markov head)."""
+    from specserve.layers import packing
+    from specserve.layers.linear import ReplicatedLinear
+
+    asked = []
+    monkeypatch.setattr(packing, "mkldnn_packing_available", lambda dtype: asked.append(dtype) or False)
+    g = torch.Generator().manual_seed(7)
+    quantized, dense = ReplicatedLinear(64, 32, dtype=torch.bfloat16), ReplicatedLinear(8, 16, dtype=torch.bfloat16)
+    for lin in (quantized, dense):
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g).to(torch.bfloat16)
+    w = dense.weight.data.clone()
+    quantized.quant = quantize(quantized.weight.data.float(), 8, 32)
+    packing.pack_linears(torch.nn.ModuleList([quantized, dense]))
+    assert quantized.qkernel is not None and dense.packed is None and torch.equal(dense.weight.data, w)
+    assert asked == [torch.bfloat16]  # probed once for the dense dtype
+    x = torch.randn(3, 8, generator=g).to(torch.bfloat16)
+    assert torch.equal(dense(x), torch.nn.functional.linear(x, w))
 
 
 def test_rows_invariant_detects_a_row_count_dependent_kernel():
