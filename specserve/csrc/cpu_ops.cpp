@@ -357,7 +357,7 @@ inline v16f key_lanes(const QChunk* q, const at::BFloat16* k) {
 }
 #else
 // AVX2 + FMA: the same operations on two halves of 8 lanes. A row of 32 * NC bfloat16 -> float32 in pairs
-// of vectors, as the AVX-512 widen_pairs below
+// of vectors, as the AVX-512 widen_pairs above
 template <int NC>
 inline void widen_pairs(const at::BFloat16* p, v16f* out) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -412,10 +412,11 @@ inline v16f widened_lanes(const QChunk* q, const v16f* w) {
 }
 #endif
 
-// attn_task for bfloat16 q and cache (AVX-512 BF16 builds, D a multiple of 32): the same fixed-order rule in
-// float32, over a row's visible keys in parts of KEY_PART (the visible keys [k * KEY_PART, (k + 1) * KEY_PART)
-// in cache order: a rule on the keys a row sees, never on where they sit in the cache). A score is one
-// key's ``vdpbf16ps`` lanes (exact bfloat16 products, float32 sums) added in one tree (hsum16) and scaled;
+// attn_task for bfloat16 q and cache (AVX-512 BF16 and AVX2 builds, D a multiple of 32): the same fixed-order
+// rule in float32, over a row's visible keys in parts of KEY_PART (the visible keys [k * KEY_PART, (k + 1) *
+// KEY_PART) in cache order: a rule on the keys a row sees, never on where they sit in the cache). A score is
+// one key's ``vdpbf16ps`` lanes (exact bfloat16 products, float32 sums; on AVX2 the same operations as FMAs)
+// added in one tree (hsum16) and scaled;
 // in each part, weights exp(s - the part's max) in float64 rounded to float32, 0 for a hidden key; the
 // weighted values summed in float32 and the weights in float64, both over the part's keys in cache order (a
 // hidden key adds nothing). The parts are then joined in order in float64 (combine_parts), one division and

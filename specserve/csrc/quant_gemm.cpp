@@ -24,8 +24,14 @@
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPECSERVE_GROUP_GEMM 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECSERVE_GROUP_GEMM 1
+#include <immintrin.h>
+#endif
 
+#if defined(SPECSERVE_GROUP_GEMM)
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -33,6 +39,25 @@ constexpr int64_t kRows = 16;
 constexpr int64_t kQ4Block = 256 + 64;  // 8 chunks of codes, 16 fp16 d, 16 fp16 m
 constexpr int64_t kQ8Block = 512 + 32;  // 16 chunks of int8 codes, 16 fp16 d
 constexpr int kMaxTile = 8;
+
+// one call: x [M, K], the packed weight w (groups of 32 columns), xs each group's sum of x, y [M, N]
+struct GemmCall {
+  const at::BFloat16* x;
+  int64_t M, K, groups;
+  const uint8_t* w;
+  bool q8;
+  const float* xs;
+  at::BFloat16* y;
+  int64_t N, max_tile;
+};
+
+}  // namespace
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
 // Tiles of at least kPrefetchTile rows spend long enough on each group that the weight stream stalls
 // them: they prefetch the group kPrefetchGroups ahead (into the next block at a block's end). Smaller
 // tiles are bound by memory anyway and ran slower with it. The same bits either way.
@@ -159,46 +184,21 @@ void block_rows(const uint8_t* wb, int64_t groups, const at::BFloat16* x, int64_
   }
 }
 
-}  // namespace
-
-// x [M, K] bfloat16, packed [N / 16, K / 32, block] uint8 (block 320: 4-bit, 544: 8-bit) -> y [M, N] bfloat16.
-// Row blocks are split over the intra-op threads when the call has at least ``grain`` of them per thread.
-at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile) {
-  TORCH_CHECK(max_tile >= 1 && max_tile <= kMaxTile, "group_gemm: max_tile must be 1..", kMaxTile);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "group_gemm: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "group_gemm: packed must be uint8 [N/16, K/32, B]");
-  TORCH_CHECK(bits == 4 || bits == 8, "group_gemm: bits must be 4 or 8");
-  const bool q8 = bits == 8;
-  TORCH_CHECK(packed.size(2) == (q8 ? kQ8Block : kQ4Block), "group_gemm: packed block size does not match bits");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), groups = packed.size(1), N = NB * kRows;
-  TORCH_CHECK(groups * kGroup == K, "group_gemm: x has ", K, " columns, the weight ", groups * kGroup);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const auto* px = x.data_ptr<at::BFloat16>();
-  std::vector<float> xs(M * groups);  // each group's sum of x, in order (the offset term)
-  if (!q8) group_sums(px, M, K, xs.data());
-  const __m512i lut = nibble_table();
-  const uint8_t* pw = packed.data_ptr<uint8_t>();
-  auto* py = y.data_ptr<at::BFloat16>();
-  const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block);
-  auto run = [&](int64_t b0, int64_t b1) {
+// a call's row blocks [b0, b1), each against every tile of rows
+struct BlockRun : GemmCall {
+  __m512i lut = nibble_table();
+  void operator()(int64_t b0, int64_t b1) const {
+    const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block);
     for (int64_t nb = b0; nb < b1; ++nb) {
       if (q8)
-        block_rows<true>(pw + nb * bstride, groups, px, M, K, xs.data(), py + nb * kRows, N, lut, max_tile);
+        block_rows<true>(w + nb * bstride, groups, x, M, K, xs, y + nb * kRows, N, lut, max_tile);
       else
-        block_rows<false>(pw + nb * bstride, groups, px, M, K, xs.data(), py + nb * kRows, N, lut, max_tile);
+        block_rows<false>(w + nb * bstride, groups, x, M, K, xs, y + nb * kRows, N, lut, max_tile);
     }
-  };
-  if (NB >= 2 * grain)
-    at::parallel_for(0, NB, grain, run);
-  else
-    run(0, NB);
-  return y;
-}
+  }
+};
 
-bool group_gemm_available() { return true; }
+}  // namespace
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // The same kernel for CPUs with AVX2 and FMA but no AVX-512 BF16 (most laptops): the same packed layout
@@ -209,16 +209,10 @@ bool group_gemm_available() { return true; }
 // 12-15); each code is masked where it sits and converted to float32 (its value times 1, 16, 256 or
 // 4096), and meets x scaled by the inverse power of two (``scaled_rows``): the product, and so every
 // rounding after it, is that of the code and x.
-#include <immintrin.h>
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kRows = 16;
 constexpr int64_t kHalf = 8;  // output rows a pass computes (float32 lanes of a ymm register)
-constexpr int64_t kQ4Block = 256 + 64;
-constexpr int64_t kQ8Block = 512 + 32;
-constexpr int kMaxTile = 8;  // the max_tile the call accepts (as the AVX-512 kernel)
 constexpr int kTile = 4;     // rows of x that share each unpacked chunk (16 ymm registers)
 
 inline float bf16_in(at::BFloat16 v) {  // as vdpbf16ps reads an input: a subnormal is zero
@@ -367,9 +361,26 @@ void block_rows(const uint8_t* pw, int64_t bstride, int64_t b0, int64_t b1, int6
   }
 }
 
+// a call's row blocks [b0, b1), pairs of them against every tile of rows
+struct BlockRun : GemmCall {
+  std::vector<float> xq = scaled_rows(x, M, K, q8);
+  void operator()(int64_t b0, int64_t b1) const {
+    const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block), tile = std::min<int64_t>(max_tile, kTile);
+    if (q8)
+      block_rows<true>(w, bstride, b0, b1, groups, xq.data(), M, K, xs, y, N, tile);
+    else
+      block_rows<false>(w, bstride, b0, b1, groups, xq.data(), M, K, xs, y, N, tile);
+  }
+};
+
 }  // namespace
 
+#endif
+
+#if defined(SPECSERVE_GROUP_GEMM)
+
 // x [M, K] bfloat16, packed [N / 16, K / 32, block] uint8 (block 320: 4-bit, 544: 8-bit) -> y [M, N] bfloat16.
+// Row blocks are split over the intra-op threads when the call has at least ``grain`` of them per thread.
 at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile) {
   TORCH_CHECK(max_tile >= 1 && max_tile <= kMaxTile, "group_gemm: max_tile must be 1..", kMaxTile);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "group_gemm: x must be [M, K] bfloat16");
@@ -384,20 +395,12 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t gra
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* px = x.data_ptr<at::BFloat16>();
-  std::vector<float> xs(M * groups);
+  std::vector<float> xs(M * groups);  // each group's sum of x, in order (the offset term)
   if (!q8) group_sums(px, M, K, xs.data());
-  const std::vector<float> xq = scaled_rows(px, M, K, q8);
-  const uint8_t* pw = packed.data_ptr<uint8_t>();
-  auto* py = y.data_ptr<at::BFloat16>();
-  const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block), tile = std::min<int64_t>(max_tile, kTile);
-  auto run = [&](int64_t b0, int64_t b1) {
-    if (q8)
-      block_rows<true>(pw, bstride, b0, b1, groups, xq.data(), M, K, xs.data(), py, N, tile);
-    else
-      block_rows<false>(pw, bstride, b0, b1, groups, xq.data(), M, K, xs.data(), py, N, tile);
-  };
+  const BlockRun run{{px, M, K, groups, packed.data_ptr<uint8_t>(), q8, xs.data(), y.data_ptr<at::BFloat16>(), N,
+                      max_tile}};
   if (NB >= 2 * grain)
-    at::parallel_for(0, NB, grain, run);
+    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) { run(b0, b1); });
   else
     run(0, NB);
   return y;
