@@ -358,15 +358,19 @@ inline v16f key_lanes(const QChunk* q, const at::BFloat16* k) {
 #else
 // AVX2 + FMA: the same operations on two halves of 8 lanes. A row of 32 * NC bfloat16 -> float32 in pairs
 // of vectors, as the AVX-512 widen_pairs above
+// 16 bfloat16 -> their even and odd elements as float32 (exact)
+inline void widen8(const at::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 template <int NC>
 inline void widen_pairs(const at::BFloat16* p, v16f* out) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int c = 0; c < NC; ++c)
-    for (int h = 0; h < 2; ++h) {
-      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c + 16 * h));
-      reinterpret_cast<__m256*>(&out[2 * c])[h] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-      reinterpret_cast<__m256*>(&out[2 * c + 1])[h] = _mm256_castsi256_ps(_mm256_and_si256(u, high));
-    }
+    for (int h = 0; h < 2; ++h)
+      widen8(p + 32 * c + 16 * h, reinterpret_cast<__m256*>(&out[2 * c])[h],
+             reinterpret_cast<__m256*>(&out[2 * c + 1])[h]);
 }
 
 // float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0), 16 values
@@ -655,7 +659,6 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
       }
 #else
       // AVX2: the same sums as FMAs on halves of the vectors, each 16 values widened as they are used
-      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
       for (int64_t j = 0; j < jn; ++j) {
         row = (j == 0 || ((jb + j) & low) == 0) ? at(1, jb + j) : row + D;
         __m256 wv[RT];
@@ -668,9 +671,8 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
         if (!any) continue;
         for (int c = 0; c < NC; ++c)
           for (int h = 0; h < 2; ++h) {
-            const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c + 16 * h));
-            const __m256 ev = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-            const __m256 od = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+            __m256 ev, od;
+            widen8(row + 32 * c + 16 * h, ev, od);
             for (int e = 0; e < RT; ++e) {
               if (p[e][j] == 0.0f) continue;
               __m256* ae = reinterpret_cast<__m256*>(&acc[e][2 * c]);
