@@ -27,7 +27,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check specserve tests scripts
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: setup
 	$(PY) -m specserve bench --methods none,hf --max-tokens 64

@@ -15,17 +15,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# pytest-xdist's test processes (`make test` runs 2): the real model's tests share the threads among them
+# pytest-xdist's test processes (`make test` runs 2): the real model's tests share the cores among them,
+# in this process and in every process a test starts (the CLI, servers, tensor-parallel workers read
+# OMP_NUM_THREADS through torch's default): more threads than cores slow every process several times over
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+REAL_MODEL_THREADS = max(1, min(2, os.cpu_count() or 1) // _WORKERS)
+os.environ["OMP_NUM_THREADS"] = str(REAL_MODEL_THREADS)
+
+
+@pytest.fixture(scope="session")
+def real_threads() -> int:
+    """Threads for an engine of the real default model that a fixture builds (``REAL_MODEL_THREADS``)."""
+    return REAL_MODEL_THREADS
 
 
 @pytest.fixture(autouse=True)
 def _threads(request):
-    """Tiny models run on 1 thread (their ops are too small to split, and a spare core keeps them
-    fast when the machine is busy); the real default model (e2e) uses up to 2, shared among the
-    test workers."""
-    e2e = "e2e" in str(request.node.fspath)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS) if e2e else 1)
+    """Tiny models (unit tests) run on 1 thread (their ops are too small to split, and a spare core keeps
+    them fast when the machine is busy); the real default model (e2e, server) on this process's share
+    of the cores (``REAL_MODEL_THREADS``)."""
+    real = "unit" not in str(request.node.fspath)
+    torch.set_num_threads(REAL_MODEL_THREADS if real else 1)
     yield
     if "unit" not in str(request.node.fspath):  # the real model's engines a test dropped: freed now
         gc.collect()

@@ -22,15 +22,15 @@ def _logprobs(llm, params):
 
 
 @pytest.fixture(scope="module")
-def plain():
-    llm = LLM(num_threads=2)  # the default model's own weights: batch-invariant, so drafts change nothing
+def plain(real_threads):
+    llm = LLM(num_threads=real_threads)  # the default model's own weights: batch-invariant, so drafts change nothing
     yield llm
     llm.shutdown()
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
                                   {"method": "medusa"}, {"method": "dspark"}])
-def test_logprobs_same_with_a_drafter(plain, spec):
+def test_logprobs_same_with_a_drafter(plain, spec, real_threads):
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3)
     base = _logprobs(plain, params)
     for ids, lps in base:
@@ -38,7 +38,7 @@ def test_logprobs_same_with_a_drafter(plain, spec):
         for t, (lp, top) in zip(ids, lps):
             assert len(top) == 3 and top[0][0] == t and math.isclose(top[0][1], lp)  # greedy: the argmax
             assert lp <= 0 and top[0][1] >= top[1][1] >= top[2][1]
-    llm = LLM(num_threads=2, speculative_config=spec)
+    llm = LLM(num_threads=real_threads, speculative_config=spec)
     try:
         got = _logprobs(llm, params)
         assert llm.get_metrics()["num_accepted_tokens"] > 0  # some tokens came from accepted drafts

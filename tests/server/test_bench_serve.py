@@ -22,8 +22,8 @@ def test_percentiles_and_configs():
 
 
 @pytest.mark.slow
-def test_a_small_run(tmp_path):
-    llm = LLM(num_threads=2)
+def test_a_small_run(tmp_path, real_threads):
+    llm = LLM(num_threads=real_threads)
     try:
         with serving(llm) as (url, _):
             rows = run([("plain", url + "/v1")], [], [1, 2], 2, 6, ["Hi", "Name a color."], [], None, True,

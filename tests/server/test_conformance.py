@@ -24,11 +24,11 @@ def _schemathesis() -> str | None:
     return str(exe) if exe.exists() else shutil.which("schemathesis")
 
 
-def test_schemathesis_conformance(tmp_path):
+def test_schemathesis_conformance(tmp_path, real_threads):
     exe = _schemathesis()
     if exe is None:
         pytest.skip("schemathesis is not installed (pip install schemathesis==4.32.5)")
-    llm = LLM(num_threads=2, max_model_len=256)
+    llm = LLM(num_threads=real_threads, max_model_len=256)
     try:
         # small caps keep the generated requests cheap (n x prompts x max_tokens)
         with serving(llm, api_key="k", limits=Limits(max_tokens=4, max_n=2, max_prompts=4)) as (url, state):

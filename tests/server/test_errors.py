@@ -24,8 +24,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 
 
 @pytest.fixture(scope="module")
-def llm():
-    llm = LLM(num_threads=2, max_model_len=512)
+def llm(real_threads):
+    llm = LLM(num_threads=real_threads, max_model_len=512)
     yield llm
     llm.shutdown()
 
@@ -187,8 +187,8 @@ def test_cancelled_requests_free_everything(llm):
 
 
 @pytest.fixture(scope="module")
-def one_seq_llm():
-    llm = LLM(num_threads=2, max_num_seqs=1, max_model_len=512)
+def one_seq_llm(real_threads):
+    llm = LLM(num_threads=real_threads, max_num_seqs=1, max_model_len=512)
     yield llm
     llm.shutdown()
 

@@ -71,8 +71,8 @@ async def _stream(h: httpx.AsyncClient, i: int) -> tuple[dict, int]:
     return {k: (texts[k], finishes[k]) for k in texts}, usage
 
 
-def test_concurrent_streams_equal_requests_alone():
-    llm = LLM(num_threads=2, speculative_config=SPECS["medusa"])
+def test_concurrent_streams_equal_requests_alone(real_threads):
+    llm = LLM(num_threads=real_threads, speculative_config=SPECS["medusa"])
     with serving(llm) as (url, state):
         with httpx.Client(base_url=url, timeout=120) as h:
             refs = []

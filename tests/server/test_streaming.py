@@ -20,8 +20,8 @@ CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
-def spec_server(request):
-    llm = LLM(num_threads=2, speculative_config=SPECS[request.param])
+def spec_server(request, real_threads):
+    llm = LLM(num_threads=real_threads, speculative_config=SPECS[request.param])
     with serving(llm) as (url, state):
         yield request.param, url, state
     llm.shutdown()
