@@ -136,13 +136,24 @@ def kv_cache_blocks(kv_cache_memory: float | None, max_num_seqs: int, max_model_
 LONG_STEP = 32  # token counts above this are compute-bound and steady: one timed run each
 
 
+def sizes_to_time(sizes: list[int]) -> list[int]:
+    """The token counts of ``sizes`` that ``measure_step_costs`` times: all up to ``LONG_STEP`` and, of
+    those above it (where a step's cost grows linearly with its tokens, so that ``interp_cost`` reads
+    the others off a line), the largest and the middle one. They are the start-up's longest forwards."""
+    short = sorted(n for n in set(sizes) if n <= LONG_STEP)
+    long = sorted(n for n in set(sizes) if n > LONG_STEP)
+    return short + sorted({long[len(long) // 2], long[-1]} if long else set())
+
+
 def measure_step_costs(forward, device, sizes: list[int], reps: int = 3) -> dict[int, float]:
-    """Seconds of one target ``forward`` that appends ``n`` tokens to a 128-token context, for each n,
-    measured on the running device in slot 0 before any request runs. Every size runs once untimed
-    first (a new shape's first call creates its kernels), then the sizes are timed in turn, ``reps``
-    rounds (sizes above ``LONG_STEP`` in the first round only), so that a slow spell of a shared machine
-    touches all of them alike rather than a few (whose costs the monotonic pass below would then carry
-    up to every larger size); each size keeps its fastest run, as noise only ever adds time."""
+    """Seconds of one target ``forward`` that appends ``n`` tokens to a 128-token context, for each n of
+    ``sizes_to_time(sizes)``, measured on the running device in slot 0 before any request runs. Every
+    size runs once untimed first (a new shape's first call creates its kernels), then the sizes are
+    timed in turn, ``reps`` rounds (sizes above ``LONG_STEP`` in the first round only), so that a slow
+    spell of a shared machine touches all of them alike rather than a few (whose costs the monotonic
+    pass below would then carry up to every larger size); each size keeps its fastest run, as noise only
+    ever adds time."""
+    sizes = sizes_to_time(sizes)
     ctx = 128
     forward(0, [[0] * ctx], [0], "none")
     for n in sizes:
@@ -193,12 +204,17 @@ class DraftTargetView:
                 return t
         raise ValueError(f"{name} not found in the target checkpoint")
 
+    def cost_key(self) -> tuple:
+        """What decides the timings taken on this target: the model, weight format, device,
+        tensor-parallel size and thread count (the key of the process's tables of measured costs)."""
+        return (str(self.model_dir), repr(self.config), str(self.dtype), self.quantization, self.packed,
+                str(self.device), self.tp.size, torch.get_num_threads())
+
     def step_costs(self, sizes: list[int], reps: int = 3) -> dict[int, float]:
-        """``measure_step_costs`` of this target, once per process: a later engine of the same model,
-        weight format, device, tensor-parallel size and thread count reads the first one's table (each
-        engine's own steps still correct it: ``ModelDrafter.step_cost``)."""
-        key = (str(self.model_dir), repr(self.config), str(self.dtype), self.quantization, self.packed,
-               str(self.device), self.tp.size, torch.get_num_threads(), tuple(sizes), reps)
+        """``measure_step_costs`` of this target, once per process: a later engine with the same
+        ``cost_key`` reads the first one's table (each engine's own steps still correct it:
+        ``ModelDrafter.step_cost``)."""
+        key = (*self.cost_key(), tuple(sizes), reps)
         if key not in _MEASURED_COSTS:
             _MEASURED_COSTS[key] = measure_step_costs(self.forward, self.device, sizes, reps)
         return dict(_MEASURED_COSTS[key])

@@ -201,12 +201,13 @@ def test_verify_cost_takes_in_the_engines_steps():
 
 def test_start_up_step_costs_time_long_steps_once_and_are_kept_per_process(tiny_llama, monkeypatch):
     """``measure_step_costs``: every size once untimed, then ``reps`` timed rounds, sizes above
-    ``LONG_STEP`` in the first only; the table never falls with n. A second engine of the same target
-    and threads reads the first one's table; another thread count measures again."""
+    ``LONG_STEP`` in the first only (and only two of them); the table never falls with n. A second
+    engine of the same target and threads reads the first one's table; another thread count measures
+    again."""
     import torch
 
     import specserve.engine.model_runner as mr
-    from specserve.engine.model_runner import LONG_STEP, ModelRunner, measure_step_costs
+    from specserve.engine.model_runner import LONG_STEP, ModelRunner, measure_step_costs, sizes_to_time
 
     calls = []
     fake = {1: 3.0, 2: 1.0, LONG_STEP + 8: 9.0}  # a noisy 1-token time: the curve must still rise
@@ -226,6 +227,13 @@ def test_start_up_step_costs_time_long_steps_once_and_are_kept_per_process(tiny_
     costs = measure_step_costs(forward, "cpu", sorted(fake), reps=3)
     assert calls == [128, 1, 2, LONG_STEP + 8] + [1, 2, LONG_STEP + 8] + [1, 2] * 2
     assert costs == {1: 3.0, 2: 3.0, LONG_STEP + 8: 9.0}
+    # of the long sizes only the middle and the largest are timed (``interp_cost`` reads the rest off a line)
+    calls.clear()
+    fake.update({LONG_STEP + 1: 4.0, LONG_STEP + 20: 5.0, LONG_STEP + 40: 6.0})
+    costs = measure_step_costs(forward, "cpu", sorted(fake), reps=3)
+    assert sorted(costs) == [1, 2, LONG_STEP + 20, LONG_STEP + 40]
+    assert set(calls) == {1, 2, 128, LONG_STEP + 20, LONG_STEP + 40}
+    assert sizes_to_time([LONG_STEP, 1, LONG_STEP + 5]) == [1, LONG_STEP, LONG_STEP + 5]
     monkeypatch.undo()
 
     measured = []

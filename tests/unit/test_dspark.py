@@ -340,7 +340,9 @@ def test_verify_cost_table_follows_the_costs():
 @pytest.mark.parametrize("tree", [None, "auto"])
 def test_drafting_is_timed_at_the_depth_a_step_drafts(tiny_llama, tmp_path, monkeypatch, tree):
     """The start-up drafting cost is measured drafting ``num_speculative_tokens`` deep (a tree of 2
-    depths costs less than one of the block's 3), not the whole block."""
+    depths costs less than one of the block's 3), not the whole block, once per process: a second
+    engine of the same target, drafter and threads reads the first one's table; another drafter depth
+    measures again."""
     drafter = write_random_drafter(tmp_path / "d", tiny_llama)  # blocks of 4: 3 drafts
     seen = []
     for fn in ("propose", "propose_tree"):
@@ -349,11 +351,22 @@ def test_drafting_is_timed_at_the_depth_a_step_drafts(tiny_llama, tmp_path, monk
             seen.append(num_drafts)
             return _orig(self, seq_ids, anchors, starts, num_drafts, *args, **kw)
         monkeypatch.setattr(proposer_mod.DSparkDraftWorker, fn, spy)
-    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=2, speculative_config={
-        "method": "dspark", "model": str(drafter), "dspark_tree": tree, "ngram_branch": 0, "num_speculative_tokens": 2,
-        **({"dspark_verify": "auto"} if tree is None else {})})  # a chain's cost model, or the tree's
-    assert llm.engine.proposer.draft_costs and seen and set(seen) == {2}
+    def engine(k):
+        return LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=2, speculative_config={
+            "method": "dspark", "model": str(drafter), "dspark_tree": tree, "ngram_branch": 0,
+            "num_speculative_tokens": k,
+            **({"dspark_verify": "auto"} if tree is None else {})})  # a chain's cost model, or the tree's
+
+    llm = engine(2)
+    costs = llm.engine.proposer.draft_costs
+    assert costs and seen and set(seen) == {2}
     llm.shutdown()
+    calls = len(seen)
+    again = engine(2)
+    assert len(seen) == calls and again.engine.proposer.draft_costs == costs
+    again.shutdown()
+    engine(3).shutdown()
+    assert len(seen) > calls and set(seen[calls:]) == {3}
 
 
 def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):

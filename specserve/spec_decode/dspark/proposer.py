@@ -84,6 +84,7 @@ log = logging.getLogger("specserve.dspark")
 
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints"
 PROFILE_CONTEXT = 128  # context length of the start-up cost measurements
+LONG_DRAFT_BATCH = 4  # the start-up times larger drafting batches once (``time_drafting``)
 TREE_MAX_NODES = 64  # dspark_tree="auto": the most nodes one request's tree may verify
 
 
@@ -245,10 +246,10 @@ class DSparkDraftWorker:
     @torch.inference_mode()
     def time_drafting(self, batch_sizes, context: int = PROFILE_CONTEXT, reps: int = 3,
                       tree: tuple[int, int] | None = None, num_drafts: int | None = None) -> dict[int, float]:
-        """Seconds of one drafting step for each batch size (median of ``reps``), over placeholder
-        contexts of ``context`` positions (warm-up included); ``tree``: (topk, beam) times tree
-        drafting instead of a chain; ``num_drafts``: the drafts (tree depths) a step makes (default: the
-        block's all)."""
+        """Seconds of one drafting step for each batch size (median of ``reps``; one run above
+        ``LONG_DRAFT_BATCH`` sequences, where a step is long and steady), over placeholder contexts of
+        ``context`` positions (after an untimed run); ``tree``: (topk, beam) times tree drafting instead
+        of a chain; ``num_drafts``: the drafts (tree depths) a step makes (default: the block's all)."""
         d = self.cfg.hidden_size * self.cfg.num_aux_layers
         g = self.cfg.num_drafts if num_drafts is None else int(num_drafts)
         out = {}
@@ -257,7 +258,7 @@ class DSparkDraftWorker:
             for i in ids:
                 self.observe(i, torch.zeros(context, d, device=self.device), reset=True)
             ts = []
-            for _ in range(reps + 1):
+            for _ in range((reps if B <= LONG_DRAFT_BATCH else 1) + 1):
                 synchronize(self.device)
                 t0 = time.perf_counter()
                 if tree is None:
@@ -271,6 +272,10 @@ class DSparkDraftWorker:
             ts = sorted(ts[1:])
             out[B] = ts[len(ts) // 2]
         return out
+
+
+# drafting costs measured in this process (``DSparkProposer._profile``), by what decides them
+_DRAFT_COSTS: dict[tuple, dict[int, float]] = {}
 
 
 class DSparkProposer(ModelDrafter):
@@ -336,8 +341,12 @@ class DSparkProposer(ModelDrafter):
         else:
             (batch_sizes, sizes), tree = profile_sizes(max_seqs, self.num_speculative_tokens), None
         self.measure_costs(target, sizes, self.num_speculative_tokens)
-        self.draft_costs = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree,
-                                              self.num_speculative_tokens)
+        key = (*target.cost_key(), str(self.model_path), self.markov_replicate, self.draft_dtype,
+               self.draft_quantization, tuple(batch_sizes), tree, self.num_speculative_tokens)
+        if key not in _DRAFT_COSTS:  # once per process, as the target's step costs
+            _DRAFT_COSTS[key] = target.call_helper(self.name, "time_drafting", batch_sizes, PROFILE_CONTEXT, 3, tree,
+                                                   self.num_speculative_tokens)
+        self.draft_costs = dict(_DRAFT_COSTS[key])
         log.info("%s auto: draft cost %s ms", self.name, {b: round(v * 1e3, 1) for b, v in self.draft_costs.items()})
 
     def draft_vocabulary(self) -> torch.Tensor | None:
