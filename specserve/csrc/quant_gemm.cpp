@@ -328,7 +328,9 @@ inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq
 template <bool Q8, int MT>
 inline void tile_blocks(const uint8_t* pw, int64_t bstride, int64_t nb0, int64_t nb1, int64_t groups,
                         const float* xq, int64_t K, const float* xs, at::BFloat16* y, int64_t N) {
-  constexpr int NH = MT == 1 ? 2 : 1;
+  // two halves a pass where the registers allow: one row (4 code vectors a chunk), or two of 8-bit codes
+  // (2 a chunk); two rows of one half would keep only 4 chains of dependent FMAs in flight
+  constexpr int NH = MT == 1 || (Q8 && MT == 2) ? 2 : 1;
   const uint8_t* w[4];
   at::BFloat16* yo[4];
   const int64_t nh = 2 * (nb1 - nb0);
