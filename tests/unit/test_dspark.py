@@ -351,6 +351,7 @@ def test_drafting_is_timed_at_the_depth_a_step_drafts(tiny_llama, tmp_path, monk
             seen.append(num_drafts)
             return _orig(self, seq_ids, anchors, starts, num_drafts, *args, **kw)
         monkeypatch.setattr(proposer_mod.DSparkDraftWorker, fn, spy)
+
     def engine(k):
         return LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=2, speculative_config={
             "method": "dspark", "model": str(drafter), "dspark_tree": tree, "ngram_branch": 0,
