@@ -37,7 +37,7 @@ def _threads(request):
     real = "unit" not in str(request.node.fspath)
     torch.set_num_threads(REAL_MODEL_THREADS if real else 1)
     yield
-    if "unit" not in str(request.node.fspath):  # the real model's engines a test dropped: freed now
+    if real:  # the real model's engines a test dropped: freed now
         gc.collect()
 
 TINY_VOCAB = 257  # deliberately not a multiple of 8 (nor of tp_size)

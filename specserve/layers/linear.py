@@ -3,6 +3,8 @@ full checkpoint tensor, checks its shape and copies this rank's shard."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +45,10 @@ def _param(shape, dtype, loader) -> nn.Parameter:
     return p
 
 
+@functools.cache
 def mkldnn_packing_available(dtype: torch.dtype) -> bool:
-    """Whether weights can be pre-packed for oneDNN on this CPU (float32 always; bf16 needs AVX512)."""
+    """Whether weights can be pre-packed for oneDNN on this CPU (float32 always; bf16 needs AVX512);
+    probed once a process per dtype."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -15,14 +15,8 @@ def pack_linears(module: torch.nn.Module) -> None:
     costs little more than one token's (call after the weights are loaded). A quantized weight gets its
     kernel; a dense one is packed only where oneDNN packs its dtype on this CPU (bfloat16 needs AVX-512),
     else it stays as it is."""
-    packs: dict[torch.dtype, bool] = {}
     for m in module.modules():
-        if not isinstance(m, PackedGEMM):
-            continue
-        dtype = m.weight.dtype
-        if m.quant is None and dtype not in packs:
-            packs[dtype] = mkldnn_packing_available(dtype)
-        if m.quant is not None or packs[dtype]:
+        if isinstance(m, PackedGEMM) and (m.quant is not None or mkldnn_packing_available(m.weight.dtype)):
             m.pack()
 
 
