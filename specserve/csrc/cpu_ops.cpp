@@ -1265,10 +1265,15 @@ inline v16s exp16(v16s x) {
   return x < -87.0f ? v16s{} : p * scale;
 }
 
-// whether any lane of a comparison's result is set (one mask test where AVX-512 is built)
+// whether any lane of a comparison's result is set (one mask test where AVX-512 or AVX2 is built)
 inline bool any_lane(v16n m) {
 #if defined(__AVX512BF16__)
   return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX2__)
+  __m256i h[2];
+  std::memcpy(h, &m, sizeof(h));
+  const __m256i o = _mm256_or_si256(h[0], h[1]);
+  return !_mm256_testz_si256(o, o);
 #else
   bool any = false;
   for (int j = 0; j < 16; ++j) any |= m[j] != 0;
@@ -1292,6 +1297,40 @@ inline void insert_top(float* topv, int64_t* topi, int64_t k, float l, int64_t i
 
 // one pass over n logits l (n a multiple of 16; indices idx0 ..): each merged into the k best so far
 // (insert_top, in index order), and the sum of exp(l - m) (m >= every l) returned
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: exp16's steps on 8 lanes (the generic 16-lane code moved lanes through the stack here)
+inline __m256 exp8(__m256 x) {
+  const __m256 half = _mm256_blendv_ps(_mm256_set1_ps(0.5f), _mm256_set1_ps(-0.5f),
+                                       _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  const __m256i ni = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), half));
+  const __m256 n = _mm256_cvtepi32_ps(ni);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), _mm256_mul_ps(p, scale));
+}
+
+double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, int64_t* topi, int64_t idx0) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (int64_t v = 0; v < n; v += 16) {
+    const __m256 x0 = _mm256_loadu_ps(l + v), x1 = _mm256_loadu_ps(l + v + 8);
+    s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(x0, mv)));
+    s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(x1, mv)));
+    const __m256 low = _mm256_set1_ps(topv[k - 1]);
+    if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, low, _CMP_GT_OQ), _mm256_cmp_ps(x1, low, _CMP_GT_OQ))))
+      continue;
+    for (int j = 0; j < 16; ++j) insert_top(topv, topi, k, l[v + j], idx0 + v + j);
+  }
+  float lanes[16];
+  _mm256_storeu_ps(lanes, s0);
+  _mm256_storeu_ps(lanes + 8, s1);
+  double total = 0.0;
+  for (int j = 0; j < 16; ++j) total += lanes[j];
+  return total;
+}
+#else
 double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, int64_t* topi, int64_t idx0) {
   v16s sum = v16s{};
   for (int64_t v = 0; v < n; v += 16) {
@@ -1305,6 +1344,7 @@ double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, i
   for (int j = 0; j < 16; ++j) total += sum[j];
   return total;
 }
+#endif
 
 // one row: logits l = (base + bias) / t over V -> the k largest (ties: the lower index first) as softmax
 // probabilities, and their indices. buf: room for V rounded up to 16 floats.
@@ -1495,6 +1535,42 @@ inline v16s dot_pairs16(v16s acc, v16u32 x, uint32_t e) {
 // W2 v .. v + 16 NB - 1 times WT nodes' W1 rows over W2 packed in pairs of its columns, [Vp / 16, r / 2, 16]
 // pairs (``w2q``), the rows as pairs (``embp``, r / 2 each) -> sums[b * WT + w]: NB * WT independent sums hide
 // the product's latency. Not inlined: inside the chunk loop the compiler kept the sums in memory.
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: dot_pairs16's portable products and sums (a lane adds its even column's product, then its odd one's),
+// written for ymm registers: the generic 16-lane code built each node's broadcast pair through the stack for
+// every column pair and spilled its sums. Each block is two halves of 8 lanes; a pass takes HP halves for the
+// WT nodes (at most 8 sums in registers), each node's pair broadcast once a pass and column pair.
+template <int WT, int NB>
+__attribute__((noinline)) void pair_sums16(const uint32_t* w2q, const uint32_t* embp, int64_t rp, int64_t v,
+                                           v16s* sums) {
+  constexpr int HP = std::min(2 * NB, 8 / WT);  // halves a pass: 2 * NB is a multiple of it
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint32_t* blk = w2q + (v / 16) * rp * 16;
+  for (int h0 = 0; h0 < 2 * NB; h0 += HP) {
+    __m256 acc[HP][WT];
+    for (int h = 0; h < HP; ++h)
+      for (int w = 0; w < WT; ++w) acc[h][w] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < rp; ++j) {
+      __m256 f0[WT], f1[WT];
+      for (int w = 0; w < WT; ++w) {
+        const uint32_t e = embp[w * rp + j];
+        f0[w] = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(e << 16)));
+        f1[w] = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(e & 0xffff0000u)));
+      }
+      for (int h = 0; h < HP; ++h) {
+        const int hh = h0 + h;  // block hh / 2, lanes 8 (hh % 2) ..
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + ((hh / 2) * rp + j) * 16 + 8 * (hh % 2)));
+        const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), b = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+        for (int w = 0; w < WT; ++w) acc[h][w] = _mm256_fmadd_ps(b, f1[w], _mm256_fmadd_ps(a, f0[w], acc[h][w]));
+      }
+    }
+    for (int h = 0; h < HP; ++h) {
+      const int hh = h0 + h;
+      for (int w = 0; w < WT; ++w) std::memcpy(reinterpret_cast<float*>(sums + (hh / 2) * WT + w) + 8 * (hh % 2), &acc[h][w], 32);
+    }
+  }
+}
+#else
 template <int WT, int NB>
 __attribute__((noinline)) void pair_sums16(const uint32_t* w2q, const uint32_t* embp, int64_t rp, int64_t v,
                                            v16s* sums) {
@@ -1514,6 +1590,7 @@ __attribute__((noinline)) void pair_sums16(const uint32_t* w2q, const uint32_t* 
   for (int b = 0; b < NB; ++b)
     for (int w = 0; w < WT; ++w) sums[b * WT + w] = acc[b][w];
 }
+#endif
 
 // node_logits16 over the pair layout for NB blocks of 16 draft ids from v at once (pair_sums16)
 template <int WT, int NB>
