@@ -274,9 +274,9 @@ void attn_task(const AttnArgs& a, const T* q, const T* cache, T* out, int64_t b,
 #if defined(SPECSERVE_F32_ATTN)
 typedef float v16f __attribute__((vector_size(64)));
 
-// the sums of 16 vectors, each over its own 16 lanes in one fixed tree (pairs, then pairs of pairs, ..):
-// lane t of the result is x[t]'s sum
 #if defined(__AVX512BF16__)
+// the sums of 16 vectors, each over its own 16 lanes in one fixed tree (pairs, then pairs of pairs, ..):
+// lane t of the result is x[t]'s sum (AVX2: key_scores16)
 inline v16f hsum16(const v16f* x) {
   typedef int32_t v16i __attribute__((vector_size(64)));
   const v16i ev = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
@@ -287,27 +287,7 @@ inline v16f hsum16(const v16f* x) {
   for (int t = 0; t < 4; ++t) z[t] = pair(y[2 * t], y[2 * t + 1]);
   return pair(pair(z[0], z[1]), pair(z[2], z[3]));
 }
-#else
-// AVX2: the same tree, a pair's neighbours added by hadd (then put back in order)
-inline v16f hsum16(const v16f* x) {
-  auto half = [](const v16f& v, int h) { return reinterpret_cast<const __m256*>(&v)[h]; };
-  auto sums = [](__m256 lo, __m256 hi) {  // lo0 + lo1, lo2 + lo3, .., hi6 + hi7
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), 0xD8));
-  };
-  auto pair = [&](const v16f& a, const v16f& b) {
-    v16f r;
-    reinterpret_cast<__m256*>(&r)[0] = sums(half(a, 0), half(a, 1));
-    reinterpret_cast<__m256*>(&r)[1] = sums(half(b, 0), half(b, 1));
-    return r;
-  };
-  v16f y[8], z[4];
-  for (int t = 0; t < 8; ++t) y[t] = pair(x[2 * t], x[2 * t + 1]);
-  for (int t = 0; t < 4; ++t) z[t] = pair(y[2 * t], y[2 * t + 1]);
-  return pair(pair(z[0], z[1]), pair(z[2], z[3]));
-}
-#endif
 
-#if defined(__AVX512BF16__)
 inline __m512 widen16(__m256i b) {  // 16 bfloat16 (bits) -> float32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
@@ -407,12 +387,45 @@ inline v16f fma16(v16f a, v16f b, v16f c) {
 }
 
 // one key's score lanes (the key widened by widen_pairs) as vdpbf16ps defines them: each lane adds its
-// odd element's exact product, rounds, then its even one's, chunk by chunk
+// odd element's exact product, rounds, then its even one's, chunk by chunk; the two halves of 8 lanes in
+// registers (lanes as v16f went through the stack between the FMAs and the sums)
+struct Lanes16 {
+  __m256 lo, hi;
+};
+
 template <int NC>
-inline v16f widened_lanes(const QChunk* q, const v16f* w) {
-  v16f d = {};
-  for (int c = 0; c < NC; ++c) d = fma16(q[c].even, w[2 * c], fma16(q[c].odd, w[2 * c + 1], d));
-  return d;
+inline Lanes16 widened_lanes(const QChunk* q, const v16f* w) {
+  __m256 d[2];
+  for (int h = 0; h < 2; ++h) {
+    d[h] = _mm256_setzero_ps();
+    for (int c = 0; c < NC; ++c) {
+      auto half = [h](const v16f& v) { return reinterpret_cast<const __m256*>(&v)[h]; };
+      d[h] = _mm256_fmadd_ps(half(q[c].even), half(w[2 * c]), _mm256_fmadd_ps(half(q[c].odd), half(w[2 * c + 1]), d[h]));
+    }
+  }
+  return {d[0], d[1]};
+}
+
+// hsum16's tree on lanes in registers: pair(a, b) holds a's neighbours' sums, then b's
+inline Lanes16 lane_pairs(Lanes16 a, Lanes16 b) {
+  auto sums = [](__m256 lo, __m256 hi) {  // lo0 + lo1, lo2 + lo3, .., hi6 + hi7
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), 0xD8));
+  };
+  return {sums(a.lo, a.hi), sums(b.lo, b.hi)};
+}
+
+// the scaled scores of 16 widened keys kw for one query row (hsum16 of their widened_lanes, times scale)
+template <int NC>
+inline void key_scores16(const QChunk* q, const v16f (*kw)[2 * NC], float scale, float* out) {
+  Lanes16 z[4];
+  for (int g = 0; g < 4; ++g) {
+    const Lanes16 y0 = lane_pairs(widened_lanes<NC>(q, kw[4 * g]), widened_lanes<NC>(q, kw[4 * g + 1]));
+    const Lanes16 y1 = lane_pairs(widened_lanes<NC>(q, kw[4 * g + 2]), widened_lanes<NC>(q, kw[4 * g + 3]));
+    z[g] = lane_pairs(y0, y1);
+  }
+  const Lanes16 t = lane_pairs(lane_pairs(z[0], z[1]), lane_pairs(z[2], z[3]));
+  _mm256_storeu_ps(out, _mm256_mul_ps(t.lo, _mm256_set1_ps(scale)));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(t.hi, _mm256_set1_ps(scale)));
 }
 #endif
 
@@ -595,12 +608,7 @@ void attn_task_bf16(const AttnArgs& a, const at::BFloat16* q, const at::BFloat16
       for (int64_t j0 = 0; j0 < jn; j0 += 16) {
         v16f kw[16][2 * NC];
         for (int t = 0; t < 16; ++t) widen_pairs<NC>(kp[j0 + t], kw[t]);
-        for (int64_t r = 0; r < nr; ++r) {
-          v16f x[16];
-          for (int t = 0; t < 16; ++t) x[t] = widened_lanes<NC>(&qb[r * NC], kw[t]);
-          const v16f sc = hsum16(x) * scale;
-          std::memcpy(s + r * sstride + (jb - lo) + j0, &sc, sizeof(sc));
-        }
+        for (int64_t r = 0; r < nr; ++r) key_scores16<NC>(&qb[r * NC], kw, scale, s + r * sstride + (jb - lo) + j0);
       }
 #endif
       for (int64_t r = 0; r < nr; ++r) {
