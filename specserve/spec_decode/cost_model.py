@@ -6,11 +6,13 @@ expected tokens per second.
 ``choose_verify_lengths`` is DSpark's cost-model scheduling: given each request's survival products
 ``S_b,k = prod_{i<=k} c_b,i`` of its draft confidences (the probability that drafts 1..k are all
 accepted), verifying ``L_b`` drafts yields ``1 + sum_{k<=L_b} S_b,k`` tokens in expectation (the bonus
-or recovered token included) and costs ``verify(sum_b (L_b + 1)) + draft(B)`` seconds. Because each
-request's ``S_b,k`` does not increase with k, the best lengths for any total number of drafts take the
-largest survival products across requests; the total is then chosen to maximise tokens per second.
-The choice reads drafter outputs only (confidences), never the target's verdict, so truncating there
-cannot change which tokens are accepted: lossless.
+or recovered token included) and costs ``verify(sum_b (L_b + 1))`` seconds. Because each request's
+``S_b,k`` does not increase with k, the best lengths for any total number of drafts take the largest
+survival products across requests; the total is then chosen to maximise tokens per second. The
+drafting time is spent by then whatever is verified, so it does not enter the choice: counted in, it
+made a dear drafter verify drafts that cost more than they give (``DraftGate`` weighs it, before the
+next drafting step). The choice reads drafter outputs only (confidences), never the target's verdict,
+so truncating there cannot change which tokens are accepted: lossless.
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[
     return batch_sizes, sorted(set(sizes) | {m + 1 for m in TREE_SIZES if m < max_nodes})
 
 
-def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: float = 0.0) -> list[int]:
+def choose_verify_lengths(survival: list[list[float]], verify_cost) -> list[int]:
     """How many drafts of each request to verify. ``survival[b]``: the non-increasing survival products
-    of request b's drafts; ``verify_cost(n)``: seconds of a target forward over n new tokens in all;
-    ``draft_cost``: seconds already spent drafting this step. Maximises
-    ``(B + sum of the chosen survival products) / (verify_cost(B + sum L_b) + draft_cost)``."""
+    of request b's drafts; ``verify_cost(n)``: seconds of a target forward over n new tokens in all.
+    Maximises ``(B + sum of the chosen survival products) / verify_cost(B + sum L_b)`` (the drafting
+    time, already spent, left out: the module's docstring)."""
     B = len(survival)
     if B == 0:
         return []
@@ -79,10 +81,10 @@ def choose_verify_lengths(survival: list[list[float]], verify_cost, draft_cost: 
                 raise bad
             taken[b] += 1
         probs, owners = [t[0] for t in order], [t[1] for t in order]
-    best_n, best_rate, gain = 0, B / max(verify_cost(B) + draft_cost, 1e-12), 0.0
+    best_n, best_rate, gain = 0, B / max(verify_cost(B), 1e-12), 0.0
     for n, p in enumerate(probs, start=1):
         gain += p
-        rate = (B + gain) / max(verify_cost(B + n) + draft_cost, 1e-12)
+        rate = (B + gain) / max(verify_cost(B + n), 1e-12)
         if rate > best_rate:
             best_n, best_rate = n, rate
     if owners is None:
@@ -187,8 +189,8 @@ def depth_sums(scores, depths, max_depth: int) -> list[float]:
     return out
 
 
-def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, survival: list[list[float]], verify_cost,
-                       draft_cost: float = 0.0) -> tuple[list[int], list[float]]:
+def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, survival: list[list[float]],
+                       verify_cost) -> tuple[list[int], list[float]]:
     """``choose_verify_lengths`` for chains whose survival products go through ``calibration`` first
     (None: as predicted); what each sequence verifies is recorded for the calibration to check.
     Returns (lengths, each sequence's expected accepted drafts: its chosen survival products, scaled)."""
@@ -198,7 +200,7 @@ def calibrated_lengths(calibration: "AcceptanceCalibration | None", seqs, surviv
         keys = [sampling_key(s.params) for s in seqs]
         calibration.begin_step(keys)
         scaled = [[min(1.0, p * f) for p, f in zip(row, calibration.factors(k))] for row, k in zip(survival, keys)]
-    lengths = choose_verify_lengths(scaled, verify_cost, draft_cost)
+    lengths = choose_verify_lengths(scaled, verify_cost)
     if calibration is not None:
         for s, k, row, n in zip(seqs, keys, survival, lengths):
             calibration.expect(s.seq_id, k, row[:n])

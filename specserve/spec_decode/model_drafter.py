@@ -81,9 +81,9 @@ class ModelDrafter(Proposer):
         if self._steps_seen % REFRESH_STEPS == 0:
             self._cost_table = None
 
-    def verify_counts(self, survival: list[list[float]], draft_cost: float = 0.0) -> list[int]:
+    def verify_counts(self, survival: list[list[float]]) -> list[int]:
         """How many of each request's scored nodes to verify (``cost_model.choose_verify_lengths``)."""
-        return choose_verify_lengths(survival, self.verify_cost, draft_cost)
+        return choose_verify_lengths(survival, self.verify_cost)
 
     def take_nodes(self, seq, items: list[tuple] | None, n: int, order: list[int], raw, depth):
         """The first ``n`` nodes of ``seq``'s ranking -> (the chosen candidates, sorted; the chosen branch

@@ -309,11 +309,10 @@ def test_choose_verify_lengths_is_the_best_choice():
         surv = torch.cumprod(conf, 1).tolist()
         costs = {1: 1.0, 4: 1.0 + float(torch.rand(1, generator=g)), 16: 3.0 + 4 * float(torch.rand(1, generator=g))}
         cost = lambda n: interp_cost(costs, n)  # noqa: E731
-        draft = 0.3 * float(torch.rand(1, generator=g))
-        got = choose_verify_lengths(surv, cost, draft)
+        got = choose_verify_lengths(surv, cost)
 
         def rate(ls):
-            return (B + sum(sum(row[:n]) for row, n in zip(surv, ls))) / (cost(B + sum(ls)) + draft)
+            return (B + sum(sum(row[:n]) for row, n in zip(surv, ls))) / cost(B + sum(ls))
 
         best = max(rate(ls) for ls in itertools.product(range(K + 1), repeat=B))
         assert rate(got) == pytest.approx(best, rel=1e-9), (trial, got)
@@ -391,6 +390,28 @@ def test_auto_profiles_costs_and_cuts_drafts(tiny_llama, tmp_path):
     prop.verify_costs = {1: 1.0, 2: 100.0, 1000: 1e5}
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert llm.get_metrics()["num_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("mode", [{**CHAIN, "dspark_verify": "auto"}, {"dspark_tree": "auto", "ngram_branch": 0}])
+def test_auto_verify_choice_leaves_the_drafting_time_out(tiny_llama, tmp_path, mode):
+    """What a step verifies does not depend on what its drafting cost, which is spent whatever is
+    verified: a drafter a million times dearer verifies the same drafts (the draft gate, off here, is
+    what weighs that cost), fewer than where verification is free. Counted in, a dear drafting step
+    made every draft look worth verifying."""
+    drafter = write_random_drafter(tmp_path / "d", tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    verified = []
+    for draft_s, verify in ((1e-4, {1: 1.0, 2: 1.5, 8: 6.0, 1000: 1e4}), (1e2, {1: 1.0, 2: 1.5, 8: 6.0, 1000: 1e4}),
+                            (1e-4, {1: 1.0, 1000: 1.0})):
+        llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, speculative_config={
+            "method": "dspark", "model": str(drafter), "online_calibration": False, "draft_gate": False, **mode})
+        prop = llm.engine.proposer
+        prop.verify_costs = verify
+        prop.draft_costs = {b: draft_s for b in prop.draft_costs}
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        verified.append(llm.engine.stats.verified_tokens)
+        llm.shutdown()
+    assert verified[0] == verified[1] < verified[2]
 
 
 @pytest.mark.multiproc

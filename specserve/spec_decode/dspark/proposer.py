@@ -14,8 +14,9 @@ sampling), ``dspark_verify``:
 * ``"auto"``: the cost model: target verification cost per total token count and drafting cost per
   batch size are measured at start-up on the running device (the drafting cost raised to the engine's
   own drafting calls' running mean once it is above: ``cost_model.DraftCosts``); each step every
-  request's verify length is chosen to maximise expected accepted tokens per second from the
-  survival products of its confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``).
+  request's verify length is chosen to maximise expected accepted tokens per second of verification
+  from the survival products of its confidences (``specserve.spec_decode.cost_model.choose_verify_lengths``;
+  the drafting time, spent by then, is the draft gate's to weigh).
 
 ``dspark_tree`` (default None: a chain) drafts a tree instead, verified with tree attention
 (``specserve.sample.tree``): the block forward gives each depth its base logits once, and every
@@ -408,8 +409,7 @@ class DSparkProposer(ModelDrafter):
                            for L, row in zip(lengths, below)]
             else:
                 surv = [row[:L] for row, L in zip(torch.cumprod(conf, dim=1).tolist(), lengths)]
-                lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv, self.verify_cost,
-                                                    self._draft_cost(len(rows), draft_s))
+                lengths, gains = calibrated_lengths(self.calibration, [seqs[b] for b in rows], surv, self.verify_cost)
                 if self.gate is not None:
                     for b, gain, L in zip(rows, gains, lengths):
                         self._judge(seqs[b], gain, L, draft_s)
@@ -459,7 +459,7 @@ class DSparkProposer(ModelDrafter):
                                               unsorted(ranked[r], order[r].tolist()), branches[b])
                     valid[r] = [it[0] for it in items[r]]
         if self.tree_size == "auto":
-            counts = self.verify_counts([v[:TREE_MAX_NODES] for v in valid], self._draft_cost(len(rows), draft_s))
+            counts = self.verify_counts([v[:TREE_MAX_NODES] for v in valid])
             if self.gate is not None:  # what drafting adds: its own nodes (branch nodes need no drafting)
                 for r, (b, v, n) in enumerate(zip(rows, valid, counts)):
                     own_v = v[:n] if items[r] is None else [it[0] for it in items[r][:n] if it[2] == 0]
