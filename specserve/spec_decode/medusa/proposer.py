@@ -134,10 +134,13 @@ class MedusaProposer(ModelDrafter):
         self.heads.eval().requires_grad_(False)
         self.device = device = target.device
         self.heads.to(device)
-        if getattr(target, "packed", False):  # own vocab projections oneDNN-packed, like the target's
+        packed, quantized = getattr(target, "packed", False), bool(getattr(target, "quantization", None))
+        if packed:  # own vocab projections oneDNN-packed, like the target's
             pack_linears(self.heads)
-            # beside a quantized target the first blocks in 8 bits (group kernel), else oneDNN bfloat16
-            self.heads.pack_first_blocks(8 if getattr(target, "quantization", None) else None)
+        if packed or quantized:
+            # beside a quantized target the first blocks in 8 bits (the group kernel, AVX2 CPUs too,
+            # where oneDNN does not pack bfloat16), else oneDNN bfloat16
+            self.heads.pack_first_blocks(8 if quantized else None)
         self.target = target
         self.lm_head: ParallelLMHead = target.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
