@@ -377,15 +377,6 @@ inline void load_query(const at::BFloat16* p, QChunk* q) {
   for (int c = 0; c < NC; ++c) q[c] = QChunk{w[2 * c], w[2 * c + 1]};
 }
 
-inline v16f fma16(v16f a, v16f b, v16f c) {
-  v16f d;
-  for (int h = 0; h < 2; ++h)
-    reinterpret_cast<__m256*>(&d)[h] = _mm256_fmadd_ps(reinterpret_cast<const __m256*>(&a)[h],
-                                                       reinterpret_cast<const __m256*>(&b)[h],
-                                                       reinterpret_cast<const __m256*>(&c)[h]);
-  return d;
-}
-
 // one key's score lanes (the key widened by widen_pairs) as vdpbf16ps defines them: each lane adds its
 // odd element's exact product, rounds, then its even one's, chunk by chunk; the two halves of 8 lanes in
 // registers (lanes as v16f went through the stack between the FMAs and the sums)
@@ -400,7 +391,8 @@ inline Lanes16 widened_lanes(const QChunk* q, const v16f* w) {
     d[h] = _mm256_setzero_ps();
     for (int c = 0; c < NC; ++c) {
       auto half = [h](const v16f& v) { return reinterpret_cast<const __m256*>(&v)[h]; };
-      d[h] = _mm256_fmadd_ps(half(q[c].even), half(w[2 * c]), _mm256_fmadd_ps(half(q[c].odd), half(w[2 * c + 1]), d[h]));
+      d[h] = _mm256_fmadd_ps(half(q[c].even), half(w[2 * c]),
+                             _mm256_fmadd_ps(half(q[c].odd), half(w[2 * c + 1]), d[h]));
     }
   }
   return {d[0], d[1]};
@@ -1312,9 +1304,11 @@ inline __m256 exp8(__m256 x) {
                                        _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
   const __m256i ni = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), half));
   const __m256 n = _mm256_cvtepi32_ps(ni);
-  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  const __m256 r =
+      _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
   __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
   const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
   return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), _mm256_mul_ps(p, scale));
 }
@@ -1567,14 +1561,17 @@ __attribute__((noinline)) void pair_sums16(const uint32_t* w2q, const uint32_t* 
       }
       for (int h = 0; h < HP; ++h) {
         const int hh = h0 + h;  // block hh / 2, lanes 8 (hh % 2) ..
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + ((hh / 2) * rp + j) * 16 + 8 * (hh % 2)));
-        const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), b = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+        const uint32_t* xp = blk + ((hh / 2) * rp + j) * 16 + 8 * (hh % 2);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+        const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(x, high));
         for (int w = 0; w < WT; ++w) acc[h][w] = _mm256_fmadd_ps(b, f1[w], _mm256_fmadd_ps(a, f0[w], acc[h][w]));
       }
     }
     for (int h = 0; h < HP; ++h) {
       const int hh = h0 + h;
-      for (int w = 0; w < WT; ++w) std::memcpy(reinterpret_cast<float*>(sums + (hh / 2) * WT + w) + 8 * (hh % 2), &acc[h][w], 32);
+      for (int w = 0; w < WT; ++w)
+        std::memcpy(reinterpret_cast<float*>(sums + (hh / 2) * WT + w) + 8 * (hh % 2), &acc[h][w], 32);
     }
   }
 }
