@@ -1298,8 +1298,9 @@ inline void insert_top(float* topv, int64_t* topi, int64_t k, float l, int64_t i
 // one pass over n logits l (n a multiple of 16; indices idx0 ..): each merged into the k best so far
 // (insert_top, in index order), and the sum of exp(l - m) (m >= every l) returned
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
-// AVX2: exp16's steps on 8 lanes (the generic 16-lane code moved lanes through the stack here)
-inline __m256 exp8(__m256 x) {
+// AVX2: exp16's steps on 8 float32 lanes (the generic 16-lane code moved lanes through the stack here;
+// not the float64 exp8 above)
+inline __m256 exp8f(__m256 x) {
   const __m256 half = _mm256_blendv_ps(_mm256_set1_ps(0.5f), _mm256_set1_ps(-0.5f),
                                        _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
   const __m256i ni = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), half));
@@ -1318,8 +1319,8 @@ double exp_sum_top(const float* l, int64_t n, float m, int64_t k, float* topv, i
   const __m256 mv = _mm256_set1_ps(m);
   for (int64_t v = 0; v < n; v += 16) {
     const __m256 x0 = _mm256_loadu_ps(l + v), x1 = _mm256_loadu_ps(l + v + 8);
-    s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(x0, mv)));
-    s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(x1, mv)));
+    s0 = _mm256_add_ps(s0, exp8f(_mm256_sub_ps(x0, mv)));
+    s1 = _mm256_add_ps(s1, exp8f(_mm256_sub_ps(x1, mv)));
     const __m256 low = _mm256_set1_ps(topv[k - 1]);
     if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x0, low, _CMP_GT_OQ), _mm256_cmp_ps(x1, low, _CMP_GT_OQ))))
       continue;
