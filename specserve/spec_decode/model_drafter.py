@@ -8,8 +8,8 @@ import logging
 
 from specserve.sample.tree import TreeCache
 from specserve.spec_decode.cost_model import AcceptanceCalibration, StepCosts, choose_verify_lengths, interp_cost
-from specserve.spec_decode.proposer import Proposer, TreeDraft
-from specserve.spec_decode.tree_select import graft, split_items
+from specserve.spec_decode.proposer import Proposal, Proposer, TreeDraft
+from specserve.spec_decode.tree_select import graft, merge_branches, no_candidates, split_items
 
 log = logging.getLogger("specserve.spec_decode")
 
@@ -101,3 +101,18 @@ class ModelDrafter(Proposer):
         if not extra:
             return tree, None
         return graft(tree, seq.output_ids[-1], [], extra, self._grafted)
+
+    def add_branch_only_trees(self, seqs, prop: Proposal, branches, drafted: set[int]) -> Proposal:
+        """The rows that did not draft this step (the draft gate, or no budget) still verify the n-gram
+        branch tokens that the cost model finds worth it (weighed on their own): they cost no drafting."""
+        todo = [b for b, br in enumerate(branches or []) if br and b not in drafted]
+        if not todo:
+            return prop
+        items = [merge_branches(no_candidates, [], [], branches[b]) for b in todo]
+        counts = self.verify_counts([[it[0] for it in row] for row in items])
+        trees = list(prop.trees or [None] * len(seqs))
+        own = list(prop.own_nodes or [None] * len(seqs))
+        for b, row, n in zip(todo, items, counts):
+            if n:
+                trees[b], own[b] = self.with_branches(None, seqs[b], split_items(row, n, [])[1])
+        return Proposal(prop.chains, prop.draft_probs, trees, own)

@@ -299,3 +299,36 @@ def test_draft_gate_stops_costly_drafting_that_does_not_pay(tiny_llama, tmp_path
     # (the last step of each sequence has no draft budget)
     assert share[(False, 1.0)] > 0.85 and share[(True, 0.0)] > 0.85, share
     assert share[(True, 1.0)] < 0.5, share
+
+
+def test_medusa_draft_gate_skips_the_heads_while_they_do_not_pay(tiny_llama, tmp_path):
+    """Medusa's dynamic trees: random heads whose drafting is timed as dear as a target step run on
+    under half of the requests' steps with the gate, on every step without it (or with drafting for
+    free); the skipped steps still verify the n-gram branches worth it; greedy output unchanged."""
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=3.0)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, params, use_tqdm=False)]
+    share = {}
+    for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
+            "method": "medusa", "model": str(heads), "medusa_topk": 3, "draft_gate": gate})
+        prop = llm.engine.proposer.inner  # (inside the n-gram branches)
+        assert (prop.gate is not None) == gate
+        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.001}  # a node verified nearly for free
+        prop.draft_costs = {1: draft_cost, 4: draft_cost}
+        drafted = [0]  # sequences whose heads ran, summed over steps
+        logits = prop.heads.logits
+
+        def counting(hidden, lm_head, _logits=logits, _n=drafted):
+            _n[0] += hidden.shape[0]
+            return _logits(hidden, lm_head)
+
+        prop.heads.logits = counting
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == plain
+        share[(gate, draft_cost)] = drafted[0] / llm.get_metrics()["num_verify_steps"]
+    # (the last step of each sequence has no draft budget)
+    assert share[(False, 1.0)] > 0.85 and share[(True, 0.0)] > 0.85, share
+    assert share[(True, 1.0)] < 0.5, share

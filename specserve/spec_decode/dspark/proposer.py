@@ -79,7 +79,7 @@ from specserve.spec_decode.dspark.formats import load_dspark_checkpoint
 from specserve.spec_decode.dspark.model import DFlashDrafter
 from specserve.spec_decode.model_drafter import ModelDrafter
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, TreeDraft
-from specserve.spec_decode.tree_select import merge_branches, no_candidates, split_items, unsorted
+from specserve.spec_decode.tree_select import merge_branches, unsorted
 
 log = logging.getLogger("specserve.dspark")
 
@@ -379,7 +379,7 @@ class DSparkProposer(ModelDrafter):
         chains: list[list[int]] = [[] for _ in seqs]
         if self.tree_size is not None:
             prop = self._propose_trees(seqs, rows, budget, inputs.branches) if rows else Proposal(chains)
-            return self._add_branch_only_trees(seqs, prop, inputs.branches, set(rows))
+            return self.add_branch_only_trees(seqs, prop, inputs.branches, set(rows))
         if not rows:
             return Proposal(chains)
         probabilistic = self.sample_method == "probabilistic"
@@ -478,21 +478,6 @@ class DSparkProposer(ModelDrafter):
                 trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
             trees[b], own[b] = self.with_branches(trees[b], seqs[b], extra)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
-
-    def _add_branch_only_trees(self, seqs, prop: Proposal, branches, drafted: set[int]) -> Proposal:
-        """The rows that did not draft this step (the draft gate, or no budget) still verify the n-gram
-        branch tokens that the cost model finds worth it (weighed on their own): they cost no drafting."""
-        todo = [b for b, br in enumerate(branches or []) if br and b not in drafted]
-        if not todo:
-            return prop
-        items = [merge_branches(no_candidates, [], [], branches[b]) for b in todo]
-        counts = self.verify_counts([[it[0] for it in row] for row in items])
-        trees = list(prop.trees or [None] * len(seqs))
-        own = list(prop.own_nodes or [None] * len(seqs))
-        for b, row, n in zip(todo, items, counts):
-            if n:
-                trees[b], own[b] = self.with_branches(None, seqs[b], split_items(row, n, [])[1])
-        return Proposal(prop.chains, prop.draft_probs, trees, own)
 
     def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
         """Tell the draft gate what this step's drafting is expected to give a single sequence."""

@@ -26,3 +26,5 @@ class MedusaOptions:
     medusa_verify: str = option("full", "'full': every draft verified; 'auto': the cost model chooses how many",
                                 choices=VERIFY_MODES)
     online_calibration: bool = option(True, "correct the predicted acceptance by what earlier steps accepted")
+    draft_gate: bool = option(True, "dynamic trees ('auto' tree and verify): a request whose drafts do not pay sits "
+                              "the heads out a while")

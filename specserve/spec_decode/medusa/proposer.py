@@ -21,6 +21,10 @@ request's temperature (temperature 1 for greedy requests):
   tokens this step, and each request verifies its highest-scoring paths (a subtree: a path never
   scores above its parent), as many as the cost model finds worth it.
 
+With dynamic trees a request whose last drafting step did not pay for the heads' time sits drafting out
+for a few steps (``draft_gate``, default True: ``cost_model.DraftGate``, as DSpark's); those steps still
+verify the n-gram branches worth it.
+
 Either way the predicted acceptance is first corrected online (``online_calibration``, default True:
 ``cost_model.AcceptanceCalibration``) by how often earlier steps with the same sampling settings
 accepted what it predicted: heads fitted on greedy data overestimate acceptance at temperature > 0.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +49,8 @@ from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
 from specserve.spec_decode.cost_model import (
     TREE_SIZES,
+    DraftCosts,
+    DraftGate,
     calibrated_lengths,
     interp_cost,
     profile_sizes,
@@ -119,6 +126,10 @@ class MedusaProposer(ModelDrafter):
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
         self._temps: dict[tuple, torch.Tensor] = {}  # ``_temperatures`` by the batch's settings
+        self.use_draft_gate = opts.draft_gate
+        self.gate: DraftGate | None = None  # dynamic trees: set in load_model
+        self.draft_costs: dict[int, float] | None = None  # no start-up table: the calls timed (``drafting``)
+        self.drafting = DraftCosts()
         if self.acceptance == "typical":
             self.lossy_verify = self._typical
             log.warning("Medusa typical acceptance is LOSSY: outputs no longer follow the target distribution "
@@ -186,6 +197,8 @@ class MedusaProposer(ModelDrafter):
             else:
                 self._candidates = self._candidate_index(self.tree, device)
                 _, sizes = tree_profile_sizes(max_seqs, self.tree.num_nodes - 1)
+                if self.use_draft_gate:
+                    self.gate = DraftGate()
             self.measure_costs(target, sizes, self.num_speculative_tokens)
 
     def _checkpoint_meta(self) -> dict:
@@ -322,7 +335,39 @@ class MedusaProposer(ModelDrafter):
         """Dynamic trees weigh the n-gram branch tokens (``ngram.branches``) with their own candidates."""
         return self._candidates is not None
 
-    def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int], branches=None) -> Proposal:
+    def _propose_gated(self, inputs: ProposeInputs) -> Proposal:
+        """Dynamic trees for the requests the draft gate lets draft (all of them without a gate); the
+        others verify the n-gram branches worth it alone. The gate then weighs each drafting request's
+        step: the calibrated acceptance of the heads' nodes it verifies against this call's time."""
+        seqs = inputs.seqs
+        rows = [b for b, s in enumerate(seqs)
+                if inputs.max_drafts[b] > 0 and (self.gate is None or not self.gate.skip(s.seq_id))]
+        empty = Proposal([[] for _ in seqs], trees=[None] * len(seqs), own_nodes=[None] * len(seqs))
+        if not rows:
+            return self.add_branch_only_trees(seqs, empty, inputs.branches, set())
+        sub = [seqs[b] for b in rows]
+        branches = [inputs.branches[b] for b in rows] if inputs.branches else None
+        t0 = time.perf_counter()
+        logits = self.heads.logits(torch.stack([self._hidden[s.seq_id] for s in sub]), self.lm_head)
+        prop, gains = self._propose_dynamic(logits, sub, [inputs.max_drafts[b] for b in rows], branches)
+        if len(rows) == len(seqs):
+            prop_all = prop
+        else:
+            for r, b in enumerate(rows):
+                empty.trees[b], empty.own_nodes[b] = prop.trees[r], prop.own_nodes[r]
+            prop_all = self.add_branch_only_trees(seqs, empty, inputs.branches, set(rows))
+        if self.gate is not None:
+            draft_s = time.perf_counter() - t0
+            self.drafting.observe(len(rows), draft_s)
+            cost = self.drafting(self.draft_costs, len(rows), draft_s)
+            for s, (expected, n) in zip(sub, gains):
+                self.gate.judge(s.seq_id, expected, n, self.verify_cost, cost)
+        return prop_all
+
+    def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int],
+                         branches=None) -> tuple[Proposal, list[tuple[float, int]]]:
+        """The requests' dynamic trees, and per request (the expected acceptance, the count) of the heads'
+        own nodes it verifies (a node that only an n-gram branch offers needs no drafting)."""
         c = self._candidates
         D = c["max_depth"]
         top_p, top_i = self._top_probs(logits[:, :D], seqs)
@@ -338,8 +383,11 @@ class MedusaProposer(ModelDrafter):
         counts = self.verify_counts(surv)
         trees: list[TreeDraft | None] = []
         own: list[int | None] = []
+        gains: list[tuple[float, int]] = []
         for b, (s, n) in enumerate(zip(seqs, counts)):
             idx, extra = self.take_nodes(s, items[b], n, order[b][:n], raw[b], c["depth_list"])
+            picked = surv[b][:n] if items[b] is None else [it[0] for it in items[b][:n] if it[2] == 0]
+            gains.append((sum(picked), len(idx)))
             tree = None
             if idx:
                 buf = self._subtrees.get(tuple(idx))
@@ -348,7 +396,7 @@ class MedusaProposer(ModelDrafter):
             tree, n_own = self.with_branches(tree, s, extra)
             trees.append(tree)
             own.append(n_own)
-        return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
+        return Proposal([[] for _ in seqs], trees=trees, own_nodes=own), gains
 
     def _merge_branches(self, top: list[int], ranked: list[float], order: list[int], branches) -> list[tuple]:
         """One request's candidate paths (``top`` [D * topk] its heads' tokens; ``ranked``/``order`` from
@@ -383,10 +431,14 @@ class MedusaProposer(ModelDrafter):
 
     def forget(self, seq) -> None:
         self._hidden.pop(seq.seq_id, None)
+        if self.gate is not None:
+            self.gate.forget(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, inputs: ProposeInputs) -> Proposal:
         seqs = inputs.seqs
+        if self._candidates is not None:
+            return self._propose_gated(inputs)
         hidden = torch.stack([self._hidden[s.seq_id] for s in seqs])
         logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V'] (V': the draft vocabulary)
         if self.tree is None:
@@ -398,8 +450,6 @@ class MedusaProposer(ModelDrafter):
                 limits, _ = calibrated_lengths(self.calibration, seqs,
                                                [row[: max(0, m)] for row, m in zip(surv, limits)], self.verify_cost)
             return Proposal([d[:m] for d, m in zip(drafts, limits)])
-        if self._candidates is not None:
-            return self._propose_dynamic(logits, seqs, list(inputs.max_drafts), inputs.branches)
         K = self.tree.max_depth
         top = self.heads.to_target(logits[:, :K].topk(self.topk, dim=-1).indices)  # [B, K, topk] target ids
         trees, chains = [], []
