@@ -1265,15 +1265,11 @@ inline v16s exp16(v16s x) {
   return x < -87.0f ? v16s{} : p * scale;
 }
 
-// whether any lane of a comparison's result is set (one mask test where AVX-512 or AVX2 is built)
+// whether any lane of a comparison's result is set (one mask test where AVX-512 is built; AVX2 builds have
+// their own loops where it is needed)
 inline bool any_lane(v16n m) {
 #if defined(__AVX512BF16__)
   return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
-#elif defined(__AVX2__)
-  __m256i h[2];
-  std::memcpy(h, &m, sizeof(h));
-  const __m256i o = _mm256_or_si256(h[0], h[1]);
-  return !_mm256_testz_si256(o, o);
 #else
   bool any = false;
   for (int j = 0; j < 16; ++j) any |= m[j] != 0;
@@ -1825,7 +1821,45 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
 namespace {
 
 // the first index of the largest of x[0 .. n) (n >= 1), or of its first NaN (torch.argmax's rule): four
-// independent 16-lane maxima, each lane keeping the block where its maximum first came (strict >)
+// independent 16-lane maxima (AVX2: 8-lane), each lane keeping the block where its maximum first came
+// (strict >)
+#if !defined(__AVX512BF16__) && defined(__AVX2__)
+// AVX2: in ymm registers (the generic 16-lane selects compiled lane by lane there)
+int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t nv = n / 32 * 32;
+  __m256 best[4], nan = _mm256_setzero_ps();
+  __m256i first[4];
+  for (int a = 0; a < 4; ++a) {
+    best[a] = _mm256_set1_ps(-__builtin_inff());
+    first[a] = _mm256_setzero_si256();
+  }
+  for (int64_t i = 0; i < nv; i += 32) {
+    const __m256i at = _mm256_set1_epi32(static_cast<int32_t>(i));
+    for (int a = 0; a < 4; ++a) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * a);
+      const __m256 gt = _mm256_cmp_ps(v, best[a], _CMP_GT_OQ);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      best[a] = _mm256_blendv_ps(best[a], v, gt);
+      first[a] = _mm256_blendv_epi8(first[a], at, _mm256_castps_si256(gt));
+    }
+  }
+  float m = -__builtin_inff();
+  int64_t idx = 0;
+  bool any_nan = !_mm256_testz_si256(_mm256_castps_si256(nan), _mm256_castps_si256(nan));
+  if (nv > 0) {
+    alignas(32) float bv[4][8];
+    alignas(32) int32_t fi[4][8];
+    for (int a = 0; a < 4; ++a) {
+      _mm256_store_ps(bv[a], best[a]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(fi[a]), first[a]);
+      for (int j = 0; j < 8; ++j) m = bv[a][j] > m ? bv[a][j] : m;
+    }
+    idx = n;
+    for (int a = 0; a < 4; ++a)  // the first index holding m
+      for (int j = 0; j < 8; ++j)
+        if (bv[a][j] == m) idx = std::min<int64_t>(idx, fi[a][j] + 8 * a + j);
+  }
+#else
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t nv = n / 64 * 64;
   v16s best[4];
@@ -1851,6 +1885,7 @@ int64_t argmax_row(const float* x, int64_t n) {
       for (int j = 0; j < 16; ++j)
         if (best[a][j] == m) idx = std::min<int64_t>(idx, first[a][j] + 16 * a + j);
   }
+#endif
   for (int64_t i = nv; i < n; ++i) {
     if (x[i] != x[i]) {
       any_nan = true;
