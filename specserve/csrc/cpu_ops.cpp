@@ -1820,6 +1820,17 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
 
 namespace {
 
+// argmax_row's lanes: lane t holds the largest of the values at offset t of the blocks of B it saw, bv[t],
+// and the start of the first block where it came, fi[t] -> their largest m and the first index holding it
+template <int B>
+int64_t first_of_max(const float* bv, const int32_t* fi, int64_t n, float& m) {
+  for (int t = 0; t < B; ++t) m = bv[t] > m ? bv[t] : m;
+  int64_t idx = n;
+  for (int t = 0; t < B; ++t)
+    if (bv[t] == m) idx = std::min<int64_t>(idx, fi[t] + t);
+  return idx;
+}
+
 // the first index of the largest of x[0 .. n) (n >= 1), or of its first NaN (torch.argmax's rule): four
 // independent 16-lane maxima (AVX2: 8-lane), each lane keeping the block where its maximum first came
 // (strict >)
@@ -1847,17 +1858,13 @@ int64_t argmax_row(const float* x, int64_t n) {
   int64_t idx = 0;
   bool any_nan = !_mm256_testz_si256(_mm256_castps_si256(nan), _mm256_castps_si256(nan));
   if (nv > 0) {
-    alignas(32) float bv[4][8];
-    alignas(32) int32_t fi[4][8];
+    alignas(32) float bv[32];
+    alignas(32) int32_t fi[32];
     for (int a = 0; a < 4; ++a) {
-      _mm256_store_ps(bv[a], best[a]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(fi[a]), first[a]);
-      for (int j = 0; j < 8; ++j) m = bv[a][j] > m ? bv[a][j] : m;
+      _mm256_store_ps(bv + 8 * a, best[a]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(fi + 8 * a), first[a]);
     }
-    idx = n;
-    for (int a = 0; a < 4; ++a)  // the first index holding m
-      for (int j = 0; j < 8; ++j)
-        if (bv[a][j] == m) idx = std::min<int64_t>(idx, fi[a][j] + 8 * a + j);
+    idx = first_of_max<32>(bv, fi, n, m);
   }
 #else
 int64_t argmax_row(const float* x, int64_t n) {
@@ -1878,12 +1885,11 @@ int64_t argmax_row(const float* x, int64_t n) {
   int64_t idx = 0;
   bool any_nan = any_lane(nan);
   if (nv > 0) {
-    for (int a = 0; a < 4; ++a)
-      for (int j = 0; j < 16; ++j) m = best[a][j] > m ? best[a][j] : m;
-    idx = n;
-    for (int a = 0; a < 4; ++a)  // the first index holding m
-      for (int j = 0; j < 16; ++j)
-        if (best[a][j] == m) idx = std::min<int64_t>(idx, first[a][j] + 16 * a + j);
+    float bv[64];
+    int32_t fi[64];
+    std::memcpy(bv, best, sizeof(bv));
+    std::memcpy(fi, first, sizeof(fi));
+    idx = first_of_max<64>(bv, fi, n, m);
   }
 #endif
   for (int64_t i = nv; i < n; ++i) {

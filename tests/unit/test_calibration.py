@@ -269,63 +269,52 @@ def test_engine_reports_one_sequence_steps_to_the_proposer(tiny_llama):
     assert len(seen) < llm.engine.stats.decode_steps - steps  # the steps the two shared report nothing
 
 
-@pytest.mark.parametrize("mode", [{"dspark_verify": "auto"}, {"dspark_tree": "auto"}])
-def test_draft_gate_stops_costly_drafting_that_does_not_pay(tiny_llama, tmp_path, mode):
-    """A random drafter whose drafting costs as much as a target step: with the gate, most steps do not
-    draft at all; without it (or with drafting for free) every step drafts. Greedy output unchanged."""
-    drafter = write_random_drafter(tmp_path / "d", tiny_llama)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
-        PROMPTS, params, use_tqdm=False)]
-    share = {}
-    for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
-        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-            "method": "dspark", "model": str(drafter), "draft_gate": gate, "ngram_branch": 0, **mode})
-        prop = llm.engine.proposer
-        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.05}
-        prop.draft_costs = {1: draft_cost, 4: draft_cost}
-        drafted = [0]  # sequences that drafted, summed over steps
-        helper = prop.target.call_helper
-
-        def counting(name, method, *args, _helper=helper, _n=drafted):
-            if method in ("propose", "propose_tree"):
-                _n[0] += len(args[0])
-            return _helper(name, method, *args)
-
-        prop.target.call_helper = counting
-        out = llm.generate(PROMPTS, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in out] == plain
-        share[(gate, draft_cost)] = drafted[0] / llm.get_metrics()["num_verify_steps"]
-    # (the last step of each sequence has no draft budget)
-    assert share[(False, 1.0)] > 0.85 and share[(True, 0.0)] > 0.85, share
-    assert share[(True, 1.0)] < 0.5, share
-
-
-def test_medusa_draft_gate_skips_the_heads_while_they_do_not_pay(tiny_llama, tmp_path):
-    """Medusa's dynamic trees: random heads whose drafting is timed as dear as a target step run on
-    under half of the requests' steps with the gate, on every step without it (or with drafting for
-    free); the skipped steps still verify the n-gram branches worth it; greedy output unchanged."""
-    cfg = json.loads((tiny_llama / "config.json").read_text())
-    heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=3.0)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
-        PROMPTS, params, use_tqdm=False)]
-    share = {}
-    for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
-        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={
-            "method": "medusa", "model": str(heads), "medusa_topk": 3, "draft_gate": gate})
-        prop = llm.engine.proposer.inner  # (inside the n-gram branches)
-        assert (prop.gate is not None) == gate
-        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.001}  # a node verified nearly for free
-        prop.draft_costs = {1: draft_cost, 4: draft_cost}
-        drafted = [0]  # sequences whose heads ran, summed over steps
+def _count_drafting(prop, drafted: list[int]) -> None:
+    """Count into ``drafted[0]`` the sequences ``prop`` drafts for: DSpark's drafting calls, or the
+    Medusa heads' forwards."""
+    if prop.name == "medusa":
         logits = prop.heads.logits
 
-        def counting(hidden, lm_head, _logits=logits, _n=drafted):
-            _n[0] += hidden.shape[0]
+        def counting(hidden, lm_head, _logits=logits):
+            drafted[0] += hidden.shape[0]
             return _logits(hidden, lm_head)
 
         prop.heads.logits = counting
+        return
+    helper = prop.target.call_helper
+
+    def counting_calls(name, method, *args, _helper=helper):
+        if method in ("propose", "propose_tree"):
+            drafted[0] += len(args[0])
+        return _helper(name, method, *args)
+
+    prop.target.call_helper = counting_calls
+
+
+@pytest.mark.parametrize("mode", [{"dspark_verify": "auto"}, {"dspark_tree": "auto"}, {"method": "medusa"}])
+def test_draft_gate_stops_costly_drafting_that_does_not_pay(tiny_llama, tmp_path, mode):
+    """A random drafter whose drafting costs as much as a target step (DSpark's "auto" modes, Medusa's
+    dynamic trees): with the gate, most steps do not draft at all; without it (or with drafting for
+    free) every step drafts. Greedy output unchanged."""
+    if mode.get("method") == "medusa":
+        cfg = json.loads((tiny_llama / "config.json").read_text())
+        heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=False, scale=3.0)
+        spec, per_token = {"method": "medusa", "model": str(heads), "medusa_topk": 3}, 0.001
+    else:
+        drafter = write_random_drafter(tmp_path / "d", tiny_llama)
+        spec, per_token = {"method": "dspark", "model": str(drafter), "ngram_branch": 0, **mode}, 0.05
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, params, use_tqdm=False)]
+    share = {}
+    for gate, draft_cost in ((True, 1.0), (False, 1.0), (True, 0.0)):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={**spec, "draft_gate": gate})
+        prop = getattr(llm.engine.proposer, "inner", llm.engine.proposer)  # (inside n-gram branches)
+        assert (prop.gate is not None) == gate
+        prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * per_token}
+        prop.draft_costs = {1: draft_cost, 4: draft_cost}
+        drafted = [0]  # sequences that drafted, summed over steps
+        _count_drafting(prop, drafted)
         out = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == plain
         share[(gate, draft_cost)] = drafted[0] / llm.get_metrics()["num_verify_steps"]
