@@ -7,7 +7,14 @@ from __future__ import annotations
 import logging
 
 from specserve.sample.tree import TreeCache
-from specserve.spec_decode.cost_model import AcceptanceCalibration, StepCosts, choose_verify_lengths, interp_cost
+from specserve.spec_decode.cost_model import (
+    AcceptanceCalibration,
+    DraftCosts,
+    DraftGate,
+    StepCosts,
+    choose_verify_lengths,
+    interp_cost,
+)
 from specserve.spec_decode.proposer import Proposal, Proposer, TreeDraft
 from specserve.spec_decode.tree_select import graft, merge_branches, no_candidates, split_items
 
@@ -21,7 +28,9 @@ class ModelDrafter(Proposer):
     """Base of the drafters with a model of their own. ``verify_costs``: seconds of a target forward by
     token count (set by ``measure_costs``), corrected by the engine's own steps (``step_cost``);
     ``calibration``: the online correction of predicted acceptance (``online_calibration``, in the
-    "auto" modes)."""
+    "auto" modes); ``gate``: the draft gate (``cost_model.DraftGate``) where a subclass sets one, judged
+    with the drafting costs ``draft_costs`` (a start-up table, or None) and ``drafting`` (the engine's
+    own drafting calls, timed)."""
 
     def __init__(self, online_calibration: bool = True):
         self.step_costs = StepCosts()
@@ -30,6 +39,9 @@ class ModelDrafter(Proposer):
         self.online_calibration = bool(online_calibration)
         self.calibration: AcceptanceCalibration | None = None
         self._grafted = TreeCache.by_parents()  # trees with n-gram branch nodes: their shapes recur
+        self.draft_costs: dict[int, float] | None = None
+        self.drafting = DraftCosts()
+        self.gate: DraftGate | None = None
 
     def measure_costs(self, target, sizes: list[int], max_depth: int) -> None:
         """The "auto" modes' start: the target's step costs for ``sizes`` tokens, and the calibration of
@@ -116,3 +128,14 @@ class ModelDrafter(Proposer):
             if n:
                 trees[b], own[b] = self.with_branches(None, seqs[b], split_items(row, n, [])[1])
         return Proposal(prop.chains, prop.draft_probs, trees, own)
+
+    def _draft_cost(self, batch: int, measured: float) -> float:
+        """This step's drafting time: the start-up table (less noisy than one measurement) when it has
+        the batch size, else the measured one; never below the engine's own calls' running mean
+        (``cost_model.DraftCosts``)."""
+        return self.drafting(self.draft_costs, batch, measured)
+
+    def _judge(self, seq, expected: float, num_verified: int, draft_s: float, batch: int = 1) -> None:
+        """Tell the draft gate what this step's drafting (``draft_s``, a call of ``batch`` sequences) is
+        expected to give a single sequence."""
+        self.gate.judge(seq.seq_id, expected, num_verified, self.verify_cost, self._draft_cost(batch, draft_s))

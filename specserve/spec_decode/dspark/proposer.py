@@ -66,7 +66,6 @@ from specserve.layers.packing import pack_linears
 from specserve.layers.quant import quantize
 from specserve.sample.tree import TreeBuffers, TreeCache
 from specserve.spec_decode.cost_model import (
-    DraftCosts,
     DraftGate,
     calibrated_lengths,
     profile_sizes,
@@ -305,10 +304,7 @@ class DSparkProposer(ModelDrafter):
         self.markov_replicate = opts.markov_replicate
         self.draft_dtype = opts.draft_dtype
         self.draft_quantization = opts.draft_quantization
-        self.draft_costs: dict[int, float] | None = None
-        self.drafting = DraftCosts()  # the engine's own drafting calls, timed (``_draft_cost``)
-        self.use_draft_gate = opts.draft_gate
-        self.gate: DraftGate | None = None  # the "auto" modes: set in load_model
+        self.use_draft_gate = opts.draft_gate  # the "auto" modes: ``gate`` set in load_model
 
     def load_model(self, target) -> None:
         target.attach(self.name, DSparkDraftWorker, str(self.model_path), self.markov_replicate, self.draft_dtype,
@@ -478,16 +474,6 @@ class DSparkProposer(ModelDrafter):
                 trees[b] = TreeDraft([seqs[b].output_ids[-1]] + [tokens[r][c] for c in chosen], self._trees.get(shape))
             trees[b], own[b] = self.with_branches(trees[b], seqs[b], extra)
         return Proposal([[] for _ in seqs], trees=trees, own_nodes=own)
-
-    def _judge(self, seq, expected: float, num_verified: int, draft_s: float) -> None:
-        """Tell the draft gate what this step's drafting is expected to give a single sequence."""
-        self.gate.judge(seq.seq_id, expected, num_verified, self.verify_cost, self._draft_cost(1, draft_s))
-
-    def _draft_cost(self, batch: int, measured: float) -> float:
-        """This step's drafting time: the start-up table (less noisy than one measurement) when it has
-        the batch size, else the measured one; never below the engine's own calls' running mean
-        (``cost_model.DraftCosts``)."""
-        return self.drafting(self.draft_costs, batch, measured)
 
     def _calibrated(self, c: torch.Tensor) -> torch.Tensor:
         """Confidences [..., g] after the checkpoint's sequential temperature scaling (if it has one)."""

@@ -49,7 +49,6 @@ from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
 from specserve.spec_decode.cost_model import (
     TREE_SIZES,
-    DraftCosts,
     DraftGate,
     calibrated_lengths,
     interp_cost,
@@ -126,10 +125,7 @@ class MedusaProposer(ModelDrafter):
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
         self._temps: dict[tuple, torch.Tensor] = {}  # ``_temperatures`` by the batch's settings
-        self.use_draft_gate = opts.draft_gate
-        self.gate: DraftGate | None = None  # dynamic trees: set in load_model
-        self.draft_costs: dict[int, float] | None = None  # no start-up table: the calls timed (``drafting``)
-        self.drafting = DraftCosts()
+        self.use_draft_gate = opts.draft_gate  # dynamic trees: ``gate`` set in load_model, its calls timed
         if self.acceptance == "typical":
             self.lossy_verify = self._typical
             log.warning("Medusa typical acceptance is LOSSY: outputs no longer follow the target distribution "
@@ -342,27 +338,21 @@ class MedusaProposer(ModelDrafter):
         seqs = inputs.seqs
         rows = [b for b, s in enumerate(seqs)
                 if inputs.max_drafts[b] > 0 and (self.gate is None or not self.gate.skip(s.seq_id))]
-        empty = Proposal([[] for _ in seqs], trees=[None] * len(seqs), own_nodes=[None] * len(seqs))
-        if not rows:
-            return self.add_branch_only_trees(seqs, empty, inputs.branches, set())
-        sub = [seqs[b] for b in rows]
-        branches = [inputs.branches[b] for b in rows] if inputs.branches else None
-        t0 = time.perf_counter()
-        logits = self.heads.logits(torch.stack([self._hidden[s.seq_id] for s in sub]), self.lm_head)
-        prop, gains = self._propose_dynamic(logits, sub, [inputs.max_drafts[b] for b in rows], branches)
-        if len(rows) == len(seqs):
-            prop_all = prop
-        else:
-            for r, b in enumerate(rows):
-                empty.trees[b], empty.own_nodes[b] = prop.trees[r], prop.own_nodes[r]
-            prop_all = self.add_branch_only_trees(seqs, empty, inputs.branches, set(rows))
-        if self.gate is not None:
+        out = Proposal([[] for _ in seqs], trees=[None] * len(seqs), own_nodes=[None] * len(seqs))
+        if rows:
+            sub = [seqs[b] for b in rows]
+            branches = [inputs.branches[b] for b in rows] if inputs.branches else None
+            t0 = time.perf_counter()
+            logits = self.heads.logits(torch.stack([self._hidden[s.seq_id] for s in sub]), self.lm_head)
+            prop, gains = self._propose_dynamic(logits, sub, [inputs.max_drafts[b] for b in rows], branches)
             draft_s = time.perf_counter() - t0
-            self.drafting.observe(len(rows), draft_s)
-            cost = self.drafting(self.draft_costs, len(rows), draft_s)
-            for s, (expected, n) in zip(sub, gains):
-                self.gate.judge(s.seq_id, expected, n, self.verify_cost, cost)
-        return prop_all
+            for r, b in enumerate(rows):
+                out.trees[b], out.own_nodes[b] = prop.trees[r], prop.own_nodes[r]
+            if self.gate is not None:
+                self.drafting.observe(len(rows), draft_s)
+                for s, (expected, n) in zip(sub, gains):
+                    self._judge(s, expected, n, draft_s, len(rows))
+        return self.add_branch_only_trees(seqs, out, inputs.branches, set(rows))
 
     def _propose_dynamic(self, logits: torch.Tensor, seqs, max_drafts: list[int],
                          branches=None) -> tuple[Proposal, list[tuple[float, int]]]:
