@@ -472,7 +472,11 @@ NO_BRANCHES = {"ngram_branch": 0}
 # drafters a tree chosen every step with pooled n-gram branches); the other rows name each key they change.
 PRESETS: dict[str, dict | None] = {
     "none": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+    # n-gram drafting: the default (up to 3 continuations, pooled from earlier requests, the tokens worth
+    # verifying chosen by the cost model), and vLLM's (the most recent match's 5 tokens, all verified)
+    "ngram": {"method": "ngram"},
+    "ngram-chain": {"method": "ngram", "ngram_verify": "full", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 1},
     # the heads shipped for the default model: the default; a chain (argmax of each head, all verified:
     # Medusa-1), a tree sized at start-up, chains cut per step, a tree chosen per step (all by the cost
     # model), and that last one with n-gram branches (= the default, spelled out)

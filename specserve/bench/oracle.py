@@ -5,11 +5,13 @@ It is computed, not run: it is fed plain decoding's output of each prompt (the `
 target's own answer) and replays decoding it step by step, as the engine would with a drafter: at
 each step the context is the prompt plus the answer so far; every earlier occurrence of the context's
 last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) offers the tokens that
-followed it (``ngram.proposer.NgramIndex``), at most ``num_speculative_tokens`` and no more than
+followed it (``ngram.index.NgramIndex``), at most ``num_speculative_tokens`` and no more than
 the request has room for; the oracle keeps the offer that the answer accepts longest, so the step
 emits its accepted tokens plus one. With ``choose="recent"`` the replay keeps the most recent longest
-match instead, which is what the ``ngram`` drafter proposes: the replay of that rule gives the engine's
-own n-gram figures (a test checks it), so the oracle's are read on the same scale.
+match instead, which is what vLLM's n-gram drafting proposes (``"ngram_verify": "full"``, the
+``ngram-chain`` row): the replay of that rule gives the engine's own figures for it (a test checks
+it), so the oracle's are read on the same scale. (The ``ngram`` default also continues phrases of
+earlier requests, which the oracle does not see.)
 
 The row has no speed (``tokens_per_s`` is null): only its acceptance figures mean something. Its
 keys are the n-gram drafter's (``--speculative-config 'NAME={"method": "ngram-oracle", ...}'``).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from specserve.spec_decode.metrics import SpecMetrics
 from specserve.spec_decode.ngram.config import NgramOptions
-from specserve.spec_decode.ngram.proposer import NgramIndex
+from specserve.spec_decode.ngram.index import NgramIndex
 from specserve.spec_decode.options import parse_options
 
 METHOD = "ngram-oracle"

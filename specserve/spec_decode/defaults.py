@@ -15,8 +15,12 @@ one key away, and a key the user gives always wins:
 * ``"ngram_branch": 0``: no n-gram branches (any branch key replaces the default branches).
 
 N-gram branches ride on the drafter's tree: with a chain they would be verified whole every step,
-so they are a default only where the tree is. ``ngram`` and ``target`` have no defaults beyond their
-options' own.
+so they are a default only where the tree is.
+
+``{"method": "ngram"}`` drafts up to three continuations, from the sequence and from earlier requests,
+and verifies what the cost model finds worth it (``NGRAM``); ``"ngram_verify": "full"`` is vLLM's
+n-gram drafting (the most recent match's continuation, every token verified) and takes none of these
+defaults. ``target`` has no defaults beyond its options' own.
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ TREES: dict[str, tuple[str, object, dict]] = {
 }
 # method -> defaults of its own that apply whatever the tree
 OWN: dict[str, dict] = {"medusa": {"medusa_verify": "auto"}}
+# the n-gram drafter's defaults, unless "ngram_verify" asks for "full"
+NGRAM = {"ngram_verify": "auto", "ngram_candidates": 3, "ngram_pool": True}
 
 
 def with_defaults(method: str, options: dict) -> dict:
     """``options`` (a ``speculative_config``'s keys other than ``method``) with ``method``'s defaults
     filled in where the user gave none (the rules in this module's docstring)."""
+    if method == "ngram" and options.get("ngram_verify", "auto") == "auto":
+        return {**NGRAM, **options}
     if method not in TREES:
         return dict(options)
     tree_key, tree_default, chain_keys = TREES[method]

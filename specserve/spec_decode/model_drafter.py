@@ -1,6 +1,6 @@
-"""What the trained drafters (Medusa, DSpark/DFlash) share for their cost-model ("auto") modes: the
-target's step costs measured at start-up, the online calibration of predicted acceptance, and choosing
-a step's nodes from their scored candidates and the n-gram branches (``tree_select``)."""
+"""What the drafters with a cost model (Medusa, DSpark/DFlash, and n-gram drafting in its "auto" mode)
+share: the target's step costs measured at start-up, the online calibration of predicted acceptance,
+and choosing a step's nodes from their scored candidates and the n-gram branches (``tree_select``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REFRESH_STEPS = 8  # ``verify_cost`` takes the engine's step times (``step_cost`
 
 
 class ModelDrafter(Proposer):
-    """Base of the drafters with a model of their own. ``verify_costs``: seconds of a target forward by
+    """Base of the drafters with a cost model. ``verify_costs``: seconds of a target forward by
     token count (set by ``measure_costs``), corrected by the engine's own steps (``step_cost``);
     ``calibration``: the online correction of predicted acceptance (``online_calibration``, in the
     "auto" modes); ``gate``: the draft gate (``cost_model.DraftGate``) where a subclass sets one, judged

@@ -44,7 +44,7 @@ def test_generate_chat_answers_paris():
 
 @pytest.mark.parametrize("args, expected", [
     (["generate", "--model", "/nonexistent/model-dir", "--prompt", "hi"], "/nonexistent/model-dir"),
-    (["bench", "--methods", "none,nope"], "unknown method(s) 'nope'; presets: none, ngram, medusa"),
+    (["bench", "--methods", "none,nope"], "unknown method(s) 'nope'; presets: none, ngram, ngram-chain, medusa"),
     (["bench", "--speculative-config", "x={oops"], "--speculative-config x: not valid JSON"),
     (["generate", "--prompt", "hi", "--speculative-method", "nope"], "unknown speculative method 'nope'"),
 ])
@@ -58,20 +58,20 @@ def test_user_errors_exit_2_without_traceback(args, expected):
 def test_bench_none_hf_ngram_float32(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
-    r = specserve("bench", "--methods", "none,hf,ngram", "--num-prompts", "2", "--max-tokens", "8", "--dtype",
+    r = specserve("bench", "--methods", "none,hf,ngram-chain", "--num-prompts", "2", "--max-tokens", "8", "--dtype",
                   "float32", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stdout and "ours/hf" in r.stdout and "interleaved prompt by prompt" in r.stdout
     rows = json.loads(out.read_text())
     assert all(row["interleaved"] for row in rows)
     assert [(row["method"], row["dtype"]) for row in rows] == [("none", "float32"), ("hf", "float32"),
-                                                                 ("ngram", "float32")]
+                                                                 ("ngram-chain", "float32")]
     assert "ms/step" in r.stdout and "verified/step" in r.stdout
     ngram = rows.pop()
     assert ngram["identical_to_none"] is True and ngram["mean_acceptance_length"] >= 1.0
     assert ngram["num_draft_tokens"] > 0 and len(ngram["acceptance_rate_per_position"]) <= 5
-    # where the steps' time went: plain decoding verifies one token a step and drafts nothing; the n-gram
-    # drafter verifies its drafts (at least the tokens it accepts) and spends part of each step drafting
+    # where the steps' time went: plain decoding verifies one token a step and drafts nothing; vLLM's
+    # n-gram drafting verifies its drafts (at least the tokens it accepts), each step drafting a little
     assert rows[0]["verified_tokens_per_step"] == 1.0 and rows[0]["draft_ms_per_step"] == 0.0
     assert 0 < rows[0]["ms_per_step"] and "ms_per_step" not in rows[1]  # hf: not our engine
     assert ngram["verified_tokens_per_step"] > 1.0

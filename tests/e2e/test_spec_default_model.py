@@ -25,7 +25,8 @@ def test_ngram_greedy_identical_to_plain(default_llm_fp32):
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = default_llm_fp32.generate(PROMPTS, params, use_tqdm=False)
     spec = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                                    "ngram_verify": "full"})  # vLLM's: all verified
     out = spec.generate(PROMPTS, params, use_tqdm=False)
     for p, a, b in zip(PROMPTS, plain, out):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, p
@@ -144,7 +145,8 @@ def default_llm_quantized():
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "ngram_verify": "full"},
+    {"method": "ngram"},
     {"method": "medusa"},
     {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL},
     {"method": "dflash"},

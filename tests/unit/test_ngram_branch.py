@@ -9,7 +9,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec_decode.ngram.branches import BranchAcceptance, NgramBranchOptions, split_ngram_branch
-from specserve.spec_decode.ngram.proposer import NgramPool, ngram_candidates
+from specserve.spec_decode.ngram.index import NgramPool, ngram_candidates
 from specserve.spec_decode.tree_select import BranchDraft, add_branch, merge_branches, no_candidates, split_items
 
 from test_dspark import write_random_drafter
@@ -228,3 +228,33 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, kind, 
     st = spec.engine.proposer
     assert st.branch_tokens > 100 and st.branch_wins > 20, (st.branch_tokens, st.branch_wins)  # it played
     assert_same_distribution(a, b)
+
+
+def test_the_ngram_drafter_verifies_what_its_cost_model_finds_worth(tiny_llama):
+    """``{"method": "ngram"}`` (cost model, three continuations, pooled): every token offered is verified
+    where verifying costs the same for any count, none where each token more costs 1,000 times the step, and the
+    output is plain decoding's either way; vLLM's drafting (``"full"``) verifies every continuation whole
+    (a tree when there are several). Drafts never depend on the target's verdict: the same answers."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=str(tiny_llama), dtype="float32").generate(REPETITIVE, params, use_tqdm=False)]
+
+    def run(costs=None, **cfg):
+        llm = LLM(model=str(tiny_llama), dtype="float32", speculative_config={"method": "ngram", **cfg})
+        if costs is not None:
+            llm.engine.proposer.verify_costs = costs
+        for _ in range(2):  # the second time, the pool (where there is one) holds the first answers
+            assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, params, use_tqdm=False)] == plain
+        return llm.get_metrics()
+
+    free, dear = run({1: 1.0, 4096: 1.0}), run({n: 1e3 ** n for n in range(1, 65)})
+    chain, trees = run(ngram_verify="full"), run(ngram_verify="full", ngram_candidates=3)
+    alone = run({1: 1.0, 4096: 1.0}, ngram_pool=False, ngram_candidates=1)
+    assert dear["num_draft_tokens"] == 0 and dear["mean_acceptance_length"] == 1.0
+    assert free["num_accepted_tokens"] > chain["num_accepted_tokens"] > 0  # the pool and the other candidates
+    assert free["num_draft_tokens"] > chain["num_draft_tokens"]
+    assert trees["num_draft_tokens"] > chain["num_draft_tokens"]
+    assert trees["num_accepted_tokens"] >= chain["num_accepted_tokens"]
+    # one continuation of the sequence's own, verified whole: the same drafts as vLLM's
+    assert alone["num_draft_tokens"] == chain["num_draft_tokens"]
+    assert alone["num_accepted_tokens"] == chain["num_accepted_tokens"]

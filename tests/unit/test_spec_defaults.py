@@ -16,6 +16,7 @@ from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.ngram.branches import NgramBranches
 
 POOL = {"ngram_branch": 12, "ngram_candidates": 3, "ngram_pool": True}
+NGRAM = {"ngram_verify": "auto", "ngram_candidates": 3, "ngram_pool": True}
 CK = str(Path(specserve.__file__).parent / "checkpoints" / "dspark-smollm2-135m")
 
 
@@ -28,7 +29,7 @@ def build(config: dict):
     ({"method": "medusa"}, {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **POOL}),
     ({"method": "dspark"}, {"method": "dspark", "dspark_tree": "auto", **POOL}),
     ({"method": "dflash"}, {"method": "dflash", "dspark_tree": "auto", **POOL}),
-    ({"method": "ngram"}, {"method": "ngram"}),
+    ({"method": "ngram"}, {"method": "ngram", **NGRAM}),
     ({"method": "target"}, {"method": "target"}),
     # vLLM's keys keep their meaning beside the defaults
     ({"method": "dspark", "num_speculative_tokens": 5, "model": CK},
@@ -38,6 +39,9 @@ def build(config: dict):
      {"method": "medusa", "medusa_tree": None, "medusa_verify": "full"}),
     ({"method": "medusa", "medusa_tree": None}, {"method": "medusa", "medusa_tree": None, "medusa_verify": "auto"}),
     ({"method": "dspark", "dspark_tree": None}, {"method": "dspark", "dspark_tree": None}),
+    ({"method": "ngram", "ngram_verify": "full"}, {"method": "ngram", "ngram_verify": "full"}),
+    ({"method": "ngram", "num_speculative_tokens": 3, "ngram_pool": False},
+     {"method": "ngram", "num_speculative_tokens": 3, **NGRAM, "ngram_pool": False}),
     # chain-only modes make the tree default step aside
     ({"method": "dspark", "dspark_verify": "auto"}, {"method": "dspark", "dspark_verify": "auto"}),
     ({"method": "dflash", "draft_sample_method": "probabilistic"},
@@ -66,6 +70,9 @@ def test_default_proposers_are_trees_with_pooled_branches():
     p = build({"method": "medusa"})
     assert isinstance(p, NgramBranches) and isinstance(p.inner, MedusaProposer)
     assert (p.inner.tree_spec, p.inner.verify_mode, p.inner.acceptance) == ("auto", "auto", "exact")
+    p = build({"method": "ngram"})  # n-gram drafting: no branches of its own, its candidates chosen alike
+    assert isinstance(p, NgramProposer) and p.verify_mode == "auto"
+    assert (p.num_speculative_tokens, p.source.limit, p.source.pool is not None) == (5, 3, True)
 
 
 def test_simple_variants_stay_reachable():
@@ -77,7 +84,11 @@ def test_simple_variants_stay_reachable():
         assert isinstance(p, DSparkProposer) and p.tree_size is None
     tree_alone = build({"method": "dspark", "ngram_branch": 0})
     assert isinstance(tree_alone, DSparkProposer) and tree_alone.tree_size == "auto"
-    assert isinstance(build({"method": "ngram"}), NgramProposer)
+    vllm = build({"method": "ngram", "ngram_verify": "full", "prompt_lookup_max": 3})
+    assert isinstance(vllm, NgramProposer) and vllm.verify_mode == "full"
+    assert (vllm.source.limit, vllm.source.pool, vllm.n_max) == (1, None, 3)
+    with pytest.raises(ValueError, match="ngram_branch adds n-gram drafts"):
+        build({"method": "ngram", "ngram_branch": 4})
     # a tree with a chain-only mode the user asked for both: still refused, naming the conflict
     with pytest.raises(ValueError, match="dspark_tree .*dspark_verify"):
         build({"method": "dspark", "dspark_tree": "auto", "dspark_verify": "auto"})

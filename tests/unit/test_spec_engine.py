@@ -11,7 +11,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.model_runner import ModelRunner
 from specserve.sample.tree import TreeBuffers, verify_tree_greedy
 from specserve.spec_decode import PROPOSERS, Proposal, Proposer, TreeDraft
-from specserve.spec_decode.ngram.proposer import NgramIndex, NgramPool, ngram_propose
+from specserve.spec_decode.ngram.index import NgramIndex, NgramPool, ngram_propose
 from specserve.spec_decode.options import option
 
 PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
@@ -213,17 +213,23 @@ def test_tree_compaction_equals_plain_cache(tiny_llama):
     assert torch.allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantization):
+@pytest.mark.parametrize("quantization,verify", [(None, "full"), ("int4", "full"), (None, "auto")])
+def test_ngram_distribution_matches_plain_sampling(small_vocab_model, quantization, verify):
     """Temperature 1: the first 4 tokens sampled with n-gram drafting have the distribution of plain
     sampling (two-sample chi-square over 2,000 seeded samples each), with dense float32 weights and with
-    int4 weights (the rejection sampler over a quantized target)."""
+    int4 weights (the rejection sampler over a quantized target); vLLM's drafting (one continuation,
+    all verified) and the default's (trees of three continuations, pooled from earlier requests, chosen
+    by the cost model: verifying made free here, so that it verifies them all)."""
     kw = dict(model=str(small_vocab_model), max_num_seqs=64, quantization=quantization,
               dtype="auto" if quantization else "float32", **({"device": "cpu"} if quantization else {}))
     # (weight-only quantization runs on the CPU only: pinned there on a machine with a GPU)
     plain = LLM(sampling_mode="rejection", **kw)
     spec = LLM(sampling_mode="rejection", **kw,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                   "ngram_verify": verify})
+    if verify == "auto":
+        assert spec.engine.proposer.source.pool is not None and spec.engine.proposer.source.limit == 3
+        spec.engine.proposer.verify_costs = {1: 1.0, 4096: 1.0}
     a = sample_prefixes(plain, 2000, 0, k=4)
     b = sample_prefixes(spec, 2000, 100_000, k=4)
     m = spec.get_metrics()

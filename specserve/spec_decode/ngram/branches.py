@@ -13,8 +13,8 @@ import dataclasses
 
 from specserve.sample.tree import TreeCache
 from specserve.spec_decode.cost_model import sampling_key
-from specserve.spec_decode.ngram.config import NgramBranchOptions
-from specserve.spec_decode.ngram.proposer import NgramIndex, NgramPool
+from specserve.spec_decode.ngram.config import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, NgramBranchOptions
+from specserve.spec_decode.ngram.index import NgramIndex, NgramPool
 from specserve.spec_decode.options import parse_options
 from specserve.spec_decode.proposer import Proposal, ProposeInputs, Proposer
 from specserve.spec_decode.tree_select import BranchDraft, graft
@@ -76,13 +76,61 @@ class BranchAcceptance:
             st[1][d] += 1.0
 
 
+class NgramSource:
+    """Each sequence's n-gram continuations, step by step, with what they are worth: its n-grams
+    indexed as it grows, the ``pool`` of earlier requests' tokens (or None) and the ``acceptance``
+    estimates that learn from what each step emitted. ``matches`` offers up to ``limit`` continuations
+    of up to ``max_len`` tokens, ``observe`` hears what the step that offered them emitted."""
+
+    def __init__(self, max_len: int, limit: int, pool: bool, n_max: int = PROMPT_LOOKUP_MAX,
+                 n_min: int = PROMPT_LOOKUP_MIN):
+        self.max_len, self.limit, self.n_max, self.n_min = int(max_len), int(limit), int(n_max), int(n_min)
+        self.acceptance = BranchAcceptance(self.max_len)
+        self.pool = NgramPool(n_max, n_min) if pool else None
+        self._index: dict[int, NgramIndex] = {}  # seq_id -> its n-grams, kept up to date step by step
+        self._offered: dict[int, list[tuple[list[int], tuple]]] = {}  # seq_id -> [(tokens, acceptance key)]
+
+    def matches(self, seq, room: int) -> list[tuple[list[int], tuple]]:
+        """``seq``'s continuations of at most ``room`` tokens, as (tokens, acceptance key: the sampling
+        setting, the matched n, the rank), remembered for ``observe``."""
+        k = min(self.max_len, room)
+        found = []
+        if k > 0:
+            index = self._index.setdefault(seq.seq_id, NgramIndex(self.n_max, self.n_min))
+            found = index.update(seq.all_ids).candidates(k, self.limit, self.pool)
+        key = sampling_key(seq.params)
+        self._offered[seq.seq_id] = out = [(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
+        return out
+
+    def drafts(self, matches: list[tuple[list[int], tuple]]) -> list[BranchDraft]:
+        """``matches`` scored for a cost model."""
+        return [self.acceptance.draft(key, toks) for toks, key in matches]
+
+    def observe(self, seq, emitted: list[int]) -> None:
+        """The step that offered ``seq``'s matches emitted ``emitted``: every continuation offered learns
+        from it, verified or not."""
+        for toks, key in self._offered.pop(seq.seq_id, ()):
+            self.acceptance.observe(key, toks, emitted)
+
+    def forget(self, seq) -> None:
+        self._offered.pop(seq.seq_id, None)
+        self._index.pop(seq.seq_id, None)
+        if seq.finished and self.pool is not None:  # a finished answer serves later requests
+            self.pool.add(seq.all_ids)
+
+
 def split_ngram_branch(spec) -> tuple[object, NgramBranchOptions]:
-    """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``)."""
+    """``speculative_config`` -> (the drafter's own config, ``NgramBranchOptions``). The ``ngram``
+    drafter takes ``ngram_candidates`` and ``ngram_pool`` as its own keys, and no branches."""
     if spec is None or not any(k in spec.options for k in BRANCH_KEYS):
         return spec, NgramBranchOptions()
+    if spec.method == "ngram":
+        if spec.options.get("ngram_branch"):
+            raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts "
+                             "them (its ngram_candidates and ngram_pool keys say how many and from where)")
+        return dataclasses.replace(spec, options={k: v for k, v in spec.options.items() if k != "ngram_branch"}), \
+            NgramBranchOptions()
     opts = parse_options(NgramBranchOptions, {k: v for k, v in spec.options.items() if k in BRANCH_KEYS}, spec.method)
-    if spec.method == "ngram" and opts.ngram_branch:
-        raise ValueError("ngram_branch adds n-gram drafts to another drafter's; method 'ngram' already drafts them")
     own = {k: v for k, v in spec.options.items() if k not in BRANCH_KEYS}
     return dataclasses.replace(spec, options=own), opts
 
@@ -95,12 +143,9 @@ class NgramBranches(Proposer):
     def __init__(self, inner: Proposer, opts: NgramBranchOptions):
         self.inner, self.opts = inner, opts
         self.name = inner.name
-        self.acceptance = BranchAcceptance(opts.ngram_branch)
-        self.pool = NgramPool() if opts.ngram_pool else None
+        self.source = NgramSource(opts.ngram_branch, opts.ngram_candidates, opts.ngram_pool)
         self._trees = TreeCache.by_parents()  # grafted shapes recur
-        self._offered: dict[int, list[tuple[list[int], tuple]]] = {}  # seq_id -> [(tokens, acceptance key)]
         self._own: dict[int, int | None] = {}  # seq_id -> the drafter's own nodes of its last draft tree
-        self._index: dict[int, NgramIndex] = {}  # seq_id -> its n-grams, kept up to date step by step
         self.branch_tokens = self.branch_wins = 0
 
     # the drafter's own attributes, as the engine reads them
@@ -119,33 +164,23 @@ class NgramBranches(Proposer):
     def observe(self, seq, last_hidden, aux, reset) -> None:
         self.inner.observe(seq, last_hidden, aux, reset)
 
+    @property
+    def pool(self) -> NgramPool | None:
+        return self.source.pool
+
     def forget(self, seq) -> None:
         self.inner.forget(seq)
-        self._offered.pop(seq.seq_id, None)
         self._own.pop(seq.seq_id, None)
-        self._index.pop(seq.seq_id, None)
-        if seq.finished and self.pool is not None:  # a finished answer serves later requests
-            self.pool.add(seq.all_ids)
+        self.source.forget(seq)
 
     def step_cost(self, num_tokens: int, seconds: float) -> None:
         self.inner.step_cost(num_tokens, seconds)
 
-    def _matches(self, seq, room: int) -> list[tuple[list[int], tuple]]:
-        """``seq``'s n-gram continuations, (tokens, acceptance key: sampling setting, matched n, rank)."""
-        k = min(self.opts.ngram_branch, room)
-        if not k:
-            return []
-        index = self._index.setdefault(seq.seq_id, NgramIndex())
-        found = index.update(seq.all_ids).candidates(k, self.opts.ngram_candidates, self.pool)
-        key = sampling_key(seq.params)
-        return [(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
-
     def propose(self, inputs: ProposeInputs) -> Proposal:
         seqs, B = inputs.seqs, len(inputs.seqs)
-        matches = [self._matches(s, room) for s, room in zip(seqs, inputs.room)]
+        matches = [self.source.matches(s, room) for s, room in zip(seqs, inputs.room)]
         planned = self.inner.plans_branches
-        branches = ([[self.acceptance.draft(key, toks) for toks, key in m] for m in matches] if planned
-                    else None)
+        branches = [self.source.drafts(m) for m in matches] if planned else None
         prop = self.inner.propose(ProposeInputs(seqs, inputs.max_drafts, inputs.room, branches))
         own = list(prop.own_nodes or [None] * B)
         if not planned and prop.draft_probs is None and self.inner.lossy_verify is None:
@@ -155,8 +190,8 @@ class NgramBranches(Proposer):
                        for s, c, t, m in zip(seqs, chains, trees, matches)]  # whole branches below the drafter's
             prop = Proposal(chains, None, [g[0] for g in grafted])
             own = [g[1] for g in grafted]
-        for s, m, o in zip(seqs, matches, own):
-            self._offered[s.seq_id], self._own[s.seq_id] = m, o
+        for s, o in zip(seqs, own):
+            self._own[s.seq_id] = o
         self.branch_tokens += sum(len(t.tokens) - o for t, o in zip(prop.trees or [], own) if o is not None)
         return prop
 
@@ -169,5 +204,4 @@ class NgramBranches(Proposer):
             n = sum(1 for i in kept[1:] if i < own)
             self.branch_wins += n < len(emitted) - 1
         self.inner.verified(seq, emitted[: n + 1], kept[: n + 1])
-        for toks, key in self._offered.pop(seq.seq_id, ()):
-            self.acceptance.observe(key, toks, emitted)
+        self.source.observe(seq, emitted)

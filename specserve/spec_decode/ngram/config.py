@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from specserve.spec_decode.options import option
 
 PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by default (longest first)
+VERIFY_MODES = ("full", "auto")
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,10 @@ class NgramOptions:
     num_speculative_tokens: int = option(5, "draft tokens per step", lo=1, hi=32)
     prompt_lookup_max: int = option(PROMPT_LOOKUP_MAX, "the longest n-gram matched", lo=1)
     prompt_lookup_min: int = option(PROMPT_LOOKUP_MIN, "the shortest n-gram matched", lo=1)
+    ngram_verify: str = option("full", "'full': every drafted token verified (vLLM's n-gram drafting); 'auto': "
+                               "as many as the cost model finds worth", choices=VERIFY_MODES)
+    ngram_candidates: int = option(1, "continuations drafted per step (more than 1: a tree)", lo=1, hi=8)
+    ngram_pool: bool = option(False, "also continue phrases of earlier requests, not only the sequence's own")
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
