@@ -168,6 +168,7 @@ class DSparkDraftWorker:
         self.logits_fn = lambda h: target_logits(h.to(target_dtype))
         self.caches: dict[int, object] = {}
         self.pending: dict[int, list[torch.Tensor]] = {}
+        self._waiting: dict[int, int] = {}  # seq_id -> rows in ``pending``
         self.max_waiting = MAX_WAITING_POSITIONS
 
     @torch.inference_mode()
@@ -179,10 +180,10 @@ class DSparkDraftWorker:
             self.caches[seq_id] = self.drafter.new_cache()
         if reset:
             self.caches[seq_id].reset()
-            self.pending[seq_id] = []
-        waiting = self.pending.setdefault(seq_id, [])
-        waiting.append(torch.as_tensor(features, device=self.device))
-        if sum(len(f) for f in waiting) >= self.max_waiting:  # a sequence that long without drafts
+            self.pending[seq_id], self._waiting[seq_id] = [], 0
+        self.pending.setdefault(seq_id, []).append(torch.as_tensor(features, device=self.device))
+        self._waiting[seq_id] = n = self._waiting.get(seq_id, 0) + len(features)
+        if n >= self.max_waiting:  # a sequence that long without drafts
             self.ready_caches([seq_id])
 
     @torch.inference_mode()
@@ -190,6 +191,7 @@ class DSparkDraftWorker:
         """The sequences' caches, their waiting features projected (one ``extend`` each)."""
         for i in seq_ids:
             parts = self.pending.pop(i, None)
+            self._waiting.pop(i, None)
             if parts:
                 cache = self.caches[i]
                 features = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -200,6 +202,7 @@ class DSparkDraftWorker:
     def forget(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
         self.pending.pop(seq_id, None)
+        self._waiting.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, gen_states=None):
