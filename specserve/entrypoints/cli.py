@@ -89,8 +89,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default=None, metavar="METHOD",
                    help="drafter for lossless speculative decoding (e.g. ngram); default: plain decoding")
     p.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
-                   help="drafts verified per step (default: the drafter's own: ngram 5, Medusa one per head, "
-                        "DSpark/DFlash every draft of the block)")
+                   help="drafts per step at most, as deep as a draft goes (default: the drafter's own: ngram 5, "
+                        "Medusa one per head, DSpark/DFlash the block); the cost models verify fewer where it pays")
     p.add_argument("--speculative-model", default=None, metavar="PATH", help="the drafter's checkpoint, if any")
     p.add_argument("--prompt-lookup-max", type=_positive_int, default=4, help="ngram: longest n-gram to match")
     p.add_argument("--prompt-lookup-min", type=_positive_int, default=1, help="ngram: shortest n-gram to match")
