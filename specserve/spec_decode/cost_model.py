@@ -6,9 +6,9 @@ expected tokens per second.
 ``choose_verify_lengths`` is DSpark's cost-model scheduling: given each request's survival products
 ``S_b,k = prod_{i<=k} c_b,i`` of its draft confidences (the probability that drafts 1..k are all
 accepted), verifying ``L_b`` drafts yields ``1 + sum_{k<=L_b} S_b,k`` tokens in expectation (the bonus
-or recovered token included) and costs ``verify(sum_b (L_b + 1))`` seconds. Because each request's
-``S_b,k`` does not increase with k, the best lengths for any total number of drafts take the largest
-survival products across requests; the total is then chosen to maximise tokens per second. The
+or recovered token included). The forward pads a batch to its longest row, so verifying up to m drafts
+a request costs ``verify(B * (m + 1))`` seconds whatever the shorter rows hold: m is chosen to maximise
+tokens per second, every request verifying its first m drafts (all it has, if fewer). The
 drafting time is spent by then whatever is verified, so it does not enter the choice: counted in, it
 made a dear drafter verify drafts that cost more than they give (``DraftGate`` weighs it, before the
 next drafting step). The choice reads drafter outputs only (confidences), never the target's verdict,
@@ -62,37 +62,26 @@ def tree_profile_sizes(max_batch: int, max_nodes: int) -> tuple[list[int], list[
 def choose_verify_lengths(survival: list[list[float]], verify_cost) -> list[int]:
     """How many drafts of each request to verify. ``survival[b]``: the non-increasing survival products
     of request b's drafts; ``verify_cost(n)``: seconds of a target forward over n new tokens in all.
-    Maximises ``(B + sum of the chosen survival products) / verify_cost(B + sum L_b)`` (the drafting
-    time, already spent, left out: the module's docstring)."""
+    Maximises the expected tokens per second, ``(B + the chosen survival products) / cost`` (the
+    drafting time, already spent, left out: the module's docstring). One request verifying L drafts
+    costs ``verify_cost(1 + L)``; a batch is padded to its longest row (``ModelRunner.forward``: every
+    row computes as many positions), so B requests verifying up to m drafts each cost
+    ``verify_cost(B * (1 + m))`` however many the shorter rows use, and a row's drafts up to the
+    longest row's count come free."""
     B = len(survival)
     if B == 0:
         return []
-    bad = ValueError("survival products must not increase along a request's drafts")
-    if B == 1:  # one request: already in its order (checked here), no sort
-        probs, owners = [float(p) for p in survival[0]], None
-        if any(q > p for p, q in zip(probs, probs[1:])):
-            raise bad
-    else:
-        order = sorted(((float(p), b, k) for b, row in enumerate(survival) for k, p in enumerate(row)),
-                       key=lambda t: (-t[0], t[1], t[2]))
-        taken = [0] * B
-        for p, b, k in order:
-            if k != taken[b]:  # ties inside a row keep its prefix order
-                raise bad
-            taken[b] += 1
-        probs, owners = [t[0] for t in order], [t[1] for t in order]
-    best_n, best_rate, gain = 0, B / max(verify_cost(B), 1e-12), 0.0
-    for n, p in enumerate(probs, start=1):
-        gain += p
-        rate = (B + gain) / max(verify_cost(B + n), 1e-12)
+    rows = [[float(p) for p in row] for row in survival]
+    if any(q > p for row in rows for p, q in zip(row, row[1:])):
+        raise ValueError("survival products must not increase along a request's drafts")
+    best_m, best_rate = 0, B / max(verify_cost(B), 1e-12)
+    gain = 0.0
+    for m in range(1, max(len(row) for row in rows) + 1):
+        gain += sum(row[m - 1] for row in rows if len(row) >= m)
+        rate = (B + gain) / max(verify_cost(B * (1 + m)), 1e-12)
         if rate > best_rate:
-            best_n, best_rate = n, rate
-    if owners is None:
-        return [best_n]
-    lengths = [0] * B
-    for b in owners[:best_n]:
-        lengths[b] += 1
-    return lengths
+            best_m, best_rate = m, rate
+    return [min(best_m, len(row)) for row in rows]
 
 
 def sampling_key(params) -> tuple:

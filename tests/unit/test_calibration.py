@@ -84,9 +84,14 @@ def test_sampling_key_and_calibrated_lengths():
         cal.observe(1, 3)
         cal.observe(2, 0)
         lengths, gains = calibrated_lengths(cal, seqs, surv, cost)
-    assert lengths[0] == 3 and lengths[1] < 3
-    assert lengths[1] == 0 or gains[1] < sum(surv[1][: lengths[1]])  # the sampled request's gains scaled down
-    assert 2.4 < gains[0] <= 3.0  # the greedy one's, always accepted, scaled up (each capped at 1)
+    n = lengths[0]
+    assert lengths[1] == n > 0  # a batch pads its rows to the longest: the sampled one's drafts come free
+    assert gains[1] < 0.5 * sum(surv[1][:n])  # ... and its gains are scaled down
+    assert sum(surv[0][:n]) < gains[0] <= n  # the greedy one's, always accepted, scaled up (each capped at 1)
+    for s in seqs:  # alone, each request verifies what its own calibrated drafts are worth
+        cal.observe(s.seq_id, 3 if s.seq_id == 1 else 0)
+    alone = [calibrated_lengths(cal, [s], [row], cost)[0][0] for s, row in zip(seqs, surv)]
+    assert alone[0] == 3 and alone[1] < 3
 
 
 @pytest.mark.parametrize("method", ["medusa-chain", "medusa-tree", "dspark"])

@@ -297,7 +297,8 @@ def test_draft_quantization_follows_the_target_unless_requested(tiny_llama, tmp_
 
 
 def test_choose_verify_lengths_is_the_best_choice():
-    """The greedy merge of survival products equals a brute-force search over every length vector."""
+    """The choice equals a brute-force search over every length vector, a batch costing its longest row
+    times its rows (the forward pads the batch to it), and no row stops short of that row's count."""
     import itertools
 
     from specserve.spec_decode.cost_model import choose_verify_lengths, interp_cost
@@ -312,13 +313,20 @@ def test_choose_verify_lengths_is_the_best_choice():
         got = choose_verify_lengths(surv, cost)
 
         def rate(ls):
-            return (B + sum(sum(row[:n]) for row, n in zip(surv, ls))) / cost(B + sum(ls))
+            return (B + sum(sum(row[:n]) for row, n in zip(surv, ls))) / cost(B * (1 + max(ls)))
 
         best = max(rate(ls) for ls in itertools.product(range(K + 1), repeat=B))
         assert rate(got) == pytest.approx(best, rel=1e-9), (trial, got)
+        assert len(set(got)) == 1  # rows of equal length here: what pads the batch comes free
     # cheap verification: verify everything; verification that doubles per token: nothing
     assert choose_verify_lengths([[0.9, 0.8], [0.5, 0.1]], lambda n: 1.0) == [2, 2]
     assert choose_verify_lengths([[0.9, 0.8], [0.5, 0.1]], lambda n: 2.0 ** n) == [0, 0]
+    # a long row worth verifying takes the short rows' drafts along (free: the batch is padded), and a
+    # lone unlikely draft of one row is not worth padding every row for
+    steep = {1: 1.0, 2: 1.1, 4: 1.3, 6: 3.0, 8: 6.0}
+    assert choose_verify_lengths([[0.95, 0.9, 0.85], [0.05]], lambda n: interp_cost(steep, n)) == [1, 1]
+    assert choose_verify_lengths([[0.05], [0.02]], lambda n: interp_cost(steep, n)) == [0, 0]
+    assert choose_verify_lengths([[0.9, 0.8, 0.7], [0.3]], lambda n: 1.0) == [3, 1]
     with pytest.raises(ValueError, match="must not increase"):
         choose_verify_lengths([[0.1, 0.9]], lambda n: 1.0)
 
