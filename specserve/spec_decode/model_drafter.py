@@ -129,6 +129,11 @@ class ModelDrafter(Proposer):
                 trees[b], own[b] = self.with_branches(None, seqs[b], split_items(row, n, [])[1])
         return Proposal(prop.chains, prop.draft_probs, trees, own)
 
+    def forget(self, seq) -> None:
+        """``seq`` finished: the draft gate forgets it (a subclass drops its own state and calls this)."""
+        if self.gate is not None:
+            self.gate.forget(seq.seq_id)
+
     def _draft_cost(self, batch: int, measured: float) -> float:
         """This step's drafting time: the start-up table (less noisy than one measurement) when it has
         the batch size, else the measured one; never below the engine's own calls' running mean

@@ -86,7 +86,7 @@ def test_simple_variants_stay_reachable():
     assert isinstance(tree_alone, DSparkProposer) and tree_alone.tree_size == "auto"
     vllm = build({"method": "ngram", "ngram_verify": "full", "prompt_lookup_max": 3})
     assert isinstance(vllm, NgramProposer) and vllm.verify_mode == "full"
-    assert (vllm.source.limit, vllm.source.pool, vllm.n_max) == (1, None, 3)
+    assert (vllm.source.limit, vllm.source.pool, vllm.source.n_max) == (1, None, 3)
     with pytest.raises(ValueError, match="ngram_branch adds n-gram drafts"):
         build({"method": "ngram", "ngram_branch": 4})
     # a tree with a chain-only mode the user asked for both: still refused, naming the conflict

@@ -367,8 +367,7 @@ class DSparkProposer(ModelDrafter):
 
     def forget(self, seq) -> None:
         self.target.call_helper(self.name, "forget", seq.seq_id)
-        if self.gate is not None:
-            self.gate.forget(seq.seq_id)
+        super().forget(seq)
 
     def propose(self, inputs: ProposeInputs) -> Proposal:
         seqs = inputs.seqs

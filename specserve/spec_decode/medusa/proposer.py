@@ -421,8 +421,7 @@ class MedusaProposer(ModelDrafter):
 
     def forget(self, seq) -> None:
         self._hidden.pop(seq.seq_id, None)
-        if self.gate is not None:
-            self.gate.forget(seq.seq_id)
+        super().forget(seq)
 
     @torch.inference_mode()
     def propose(self, inputs: ProposeInputs) -> Proposal:

@@ -27,7 +27,6 @@ class NgramProposer(ModelDrafter):
     def __init__(self, opts: NgramOptions):
         super().__init__(online_calibration=False)  # the branch acceptance estimates are online already
         self.num_speculative_tokens = opts.num_speculative_tokens
-        self.n_max, self.n_min = opts.prompt_lookup_max, opts.prompt_lookup_min
         self.verify_mode = opts.ngram_verify
         self.source = NgramSource(opts.num_speculative_tokens, opts.ngram_candidates, opts.ngram_pool,
                                   opts.prompt_lookup_max, opts.prompt_lookup_min)
