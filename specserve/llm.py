@@ -27,8 +27,9 @@ class LLM:
         (vLLM's rejection sampler: exact in distribution only). See ``docs/sampling.md``.
     kv_cache_memory: GiB of paged KV cache (None: enough for max_num_seqs x max_model_len, at most a
         quarter of the machine's memory); pages become resident as blocks are used.
-    enable_prefix_caching: requests that share a prompt prefix share its cached KV blocks (not with
-        DSpark/DFlash, which keep the target's features of every position).
+    enable_prefix_caching: requests that share a prompt prefix share its cached KV blocks (DSpark/DFlash,
+        which read the target's features of every position, as far as a store of recent features holds
+        them: ``engine.prefix_features``).
     speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than steps
         without (measured online: ``specserve.engine.spec_gate``; ``specserve serve`` turns it on).
     """

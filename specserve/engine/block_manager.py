@@ -137,10 +137,16 @@ class BlockManager:
 
     # ---- prefix caching -----------------------------------------------------------------------------
     @staticmethod
+    def next_hash(h: int, block_tokens: list[int]) -> int:
+        """The hash of a block holding ``block_tokens`` after the blocks whose chained hash is ``h`` (0:
+        the first block)."""
+        return hash((h, tuple(block_tokens)))
+
+    @staticmethod
     def chain_hashes(tokens: list[int], block_size: int, full_blocks: int) -> list[int]:
         out, h = [], 0
         for i in range(full_blocks):
-            h = hash((h, tuple(tokens[i * block_size : (i + 1) * block_size])))
+            h = BlockManager.next_hash(h, tokens[i * block_size : (i + 1) * block_size])
             out.append(h)
         return out
 

@@ -21,6 +21,7 @@ import torch
 from specserve.config import EngineConfig, SamplingParams
 from specserve.device import resolve_device
 from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_quantization
+from specserve.engine.prefix_features import PrefixFeatures
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.engine.spec_gate import SpeculationGate
@@ -97,9 +98,11 @@ class LLMEngine:
         self.metrics = SpecMetrics()
         self.scheduler = Scheduler(cfg.max_num_seqs, self.runner.kv.blocks)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same objects
-        # prefix caching: not for drafters that keep the target's features of every position (the shared
-        # positions are not recomputed, so their features would be missing)
-        self.prefix_caching = cfg.enable_prefix_caching and not self.proposer.aux_layers
+        self.prefix_caching = cfg.enable_prefix_caching
+        # a drafter that reads the target's features of every position gets those of the shared positions
+        # from a store of earlier sequences' features (a prefix is shared only as far as they are kept)
+        self.prefix_features = (PrefixFeatures(self.runner.kv.blocks.block_size)
+                                if self.prefix_caching and self.proposer.aux_layers else None)
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self.verifier = Verifier(cfg.sampling_mode, self.proposer.lossy_verify, self.runner.compact)
@@ -150,8 +153,7 @@ class LLMEngine:
         admitted = self.scheduler.admit()
         if self.prefix_caching:
             for seq in admitted:
-                seq.num_computed = self.runner.share_prefix(seq.slot, self.scheduler.prefill_ids(seq))
-                self.stats.prefix_cached_tokens += seq.num_computed
+                self._share_prefix(seq)
         touched = self._prefill_step()
         self._free_finished()
         if self.running:
@@ -192,8 +194,10 @@ class LLMEngine:
                                       return_hidden=self.proposer.needs_hidden and last)
             if out.aux or out.hidden is not None:
                 for i, (s, piece) in enumerate(zip(group, pieces)):
-                    self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None,
-                                          [a[i, : len(piece)] for a in out.aux], reset=begin == 0)
+                    aux = [a[i, : len(piece)] for a in out.aux]
+                    self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None, aux, reset=begin == 0)
+                    if self.prefix_features is not None:
+                        self.prefix_features.observe(s, aux, reset=begin == 0)
             for s, piece in zip(group, pieces):
                 s.num_computed = begin + len(piece)
                 budget -= len(piece)
@@ -249,8 +253,28 @@ class LLMEngine:
     def _give_back(self, s: Sequence) -> None:
         """``s`` leaves its slot (aborted or preempted): its blocks and the drafter's state for it go."""
         self.runner.release_slot(s.slot)
-        self.proposer.forget(s)
+        self._forget(s)
         s.slot = -1
+
+    def _forget(self, s: Sequence) -> None:
+        self.proposer.forget(s)
+        if self.prefix_features is not None:
+            self.prefix_features.forget(s)
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """Give the admitted ``seq`` the cached blocks of its prompt's prefix (prefix caching), for a drafter
+        that reads the target's features only as far as the store holds them, which it then observes."""
+        ids = self.scheduler.prefill_ids(seq)
+        features = None
+        if self.prefix_features is not None:
+            n, features = self.prefix_features.lookup(ids)
+            ids = ids[: n + 1]  # never shares the block of the last id
+        seq.num_computed = self.runner.share_prefix(seq.slot, ids)
+        self.stats.prefix_cached_tokens += seq.num_computed
+        if features and seq.num_computed:
+            features = [f[: seq.num_computed] for f in features]
+            self.proposer.observe(seq, None, features, reset=True)
+            self.prefix_features.observe(seq, features, reset=True)
 
     def _decode(self) -> None:
         """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
@@ -303,11 +327,15 @@ class LLMEngine:
             self.metrics.record(drafts.depth(b), accepted)
             self.proposer.verified(s, emitted, kept_idx)
             s.num_computed = batch.starts[b] + 1 + accepted
+            aux = None
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
-                self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
-                                      [a[b, idx] for a in out.aux], reset=False)
+                aux = [a[b, idx] for a in out.aux]
+                self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None, aux,
+                                      reset=False)
             kept = s.append_tokens(emitted)
+            if self.prefix_features is not None and aux:  # after the append: it reads their tokens
+                self.prefix_features.observe(s, aux, reset=False)
             if s.logprobs is not None:  # emitted[j] was chosen from the logits of position kept_idx[j]
                 s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
             emitted_total += kept
@@ -324,7 +352,7 @@ class LLMEngine:
             if not s.finished:
                 i += 1
                 continue
-            self.proposer.forget(s)
+            self._forget(s)
             if self.prefix_caching:  # its committed blocks serve later requests with the same prefix
                 self.runner.register_prefix(s.slot, s.all_ids, s.num_computed)
             self.runner.release_slot(s.slot)

@@ -1,11 +1,14 @@
 """The paged KV cache's block manager, prefix caching and preemption through the engine."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.block_manager import BlockManager, OutOfBlocks
+from specserve.engine.prefix_features import PrefixFeatures
 
 
 def test_blocks_are_taken_as_a_sequence_grows_and_given_back():
@@ -192,3 +195,31 @@ def test_a_recomputed_sequence_takes_cached_blocks_and_goes_on_the_same(tiny_lla
         eng.step()
     assert eng.stats.prefix_cached_tokens == 16  # the block of its last prefill position is computed
     assert seq.output_ids == first
+
+
+def test_prefix_features_store_blocks_under_the_block_managers_hashes():
+    """``PrefixFeatures`` keeps a sequence's features a full block at a time, however they arrive, under
+    the chained hash the block manager registers that block's KV under; ``lookup`` returns the leading
+    blocks it holds (never the last token's), least recently used blocks go first past the capacity,
+    and a reset starts the sequence's chain again."""
+    seq = SimpleNamespace(seq_id=1, all_ids=list(range(100, 150)))
+    feats = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)
+    store = PrefixFeatures(block_size=16, capacity=48)
+    for a, b in [(0, 5), (5, 6), (6, 30), (30, 40)]:  # observed in uneven pieces: 2 blocks complete
+        store.observe(seq, [feats[a:b], -feats[a:b]], reset=a == 0)
+    assert list(store.blocks) == BlockManager.chain_hashes(seq.all_ids, 16, 2)
+    n, (f, g) = store.lookup(seq.all_ids)
+    assert n == 32 and torch.equal(f, feats[:32]) and torch.equal(g, -feats[:32])
+    assert store.lookup(seq.all_ids[:32])[0] == 16  # never the block of the last token
+    assert store.lookup([7] + seq.all_ids[1:])[0] == 0  # another first block: nothing
+    seq.all_ids = seq.all_ids[:45]  # a position observed whose token is not known yet waits
+    store.observe(seq, [feats[40:50], -feats[40:50]], reset=False)
+    assert len(store.blocks) == 2
+    other = SimpleNamespace(seq_id=2, all_ids=list(range(200, 240)))
+    store.observe(other, [feats[:40], feats[:40]], reset=True)  # 2 more blocks, room for 3
+    assert len(store.blocks) == 3 and store.lookup(other.all_ids)[0] == 32
+    assert store.lookup(seq.all_ids)[0] == 16  # its second block was used least recently: dropped
+    store.observe(seq, [feats[:40], feats[:40]], reset=True)  # from position 0 again: stored again
+    assert store.lookup(seq.all_ids)[0] == 32 and store.lookup(other.all_ids)[0] == 0
+    store.forget(seq)
+    assert 1 not in store.chains

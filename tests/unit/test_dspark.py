@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_walk
 
 from specserve import LLM, SamplingParams
+from specserve.engine.block_manager import BlockManager
 from specserve.spec_decode.dspark.config import DSparkConfig, expected_state_shapes
 from specserve.spec_decode.dspark import proposer as proposer_mod
 
@@ -487,3 +488,72 @@ def test_tp2_dspark_tree_equals_tp1(small_vocab_model, tmp_path):
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert m["num_accepted_tokens"] > 0
+
+
+def _three_requests(llm, params):
+    """A prompt of two full blocks and 5 positions, a follow-up over it and its whole answer, and one
+    sharing the prompt's first two blocks. Returns the three outputs and the follow-up prompt."""
+    first = [(7 * i) % 13 + 1 for i in range(37)]
+    outs = [list(llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids)]
+    follow_up = first + outs[0] + [3, 2]  # 63 positions: the first request kept 60
+    for prompt in (follow_up, first[:35] + [9, 9, 4]):
+        outs.append(list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
+    return outs, follow_up
+
+
+def test_prefix_caching_hands_the_drafter_the_shared_positions_features(small_vocab_model, tmp_path):
+    """With prefix caching a DSpark request skips the cached blocks of its prompt (a shared prompt, a
+    follow-up turn over a whole earlier answer) and its drafter still sees every position's features:
+    the same drafts and the same output as without prefix caching, the stored features those a fresh
+    forward gives; a store that lost a block shares only the blocks before it."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
+    spec = {"method": "dspark", **CHAIN, "dspark_verify": "full", "model": str(drafter)}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(model=str(small_vocab_model), dtype="float32", speculative_config=spec,
+                  enable_prefix_caching=caching)
+        w = llm.engine.proposer.worker
+        drafts, propose = [], w.propose
+
+        def record(*args, drafts=drafts, propose=propose, **kwargs):
+            out = propose(*args, **kwargs)
+            drafts.append(out[0].tokens.tolist())
+            return out
+
+        w.propose = record
+        outs, follow_up = _three_requests(llm, params)
+        runs[caching] = (outs, drafts, llm.engine.stats.prefix_cached_tokens, llm)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]  # every drafting step alike
+    assert runs[False][2] == 0 and runs[True][2] == 48 + 32  # 3 blocks of the follow-up, 2 of the third
+    llm = runs[True][3]
+    store, prop = llm.engine.prefix_features, llm.engine.proposer
+    n, feats = store.lookup(follow_up)
+    assert n == 48
+    ref = llm.engine.runner.forward(0, [follow_up], [0], "none", aux_layers=prop.aux_layers).aux
+    for f, r in zip(feats, ref):
+        torch.testing.assert_close(f, r[0, :48], rtol=1e-5, atol=1e-5)
+    llm.engine.runner.release_slot(0)  # the blocks of that forward
+    store.blocks.pop(BlockManager.chain_hashes(follow_up, 16, 3)[1])  # the store loses the second block
+    before = llm.engine.stats.prefix_cached_tokens
+    again = llm.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(again) == runs[True][0][1] and llm.engine.stats.prefix_cached_tokens == before + 16
+
+
+@pytest.mark.multiproc
+def test_tp2_prefix_caching_hands_both_ranks_the_shared_features(small_vocab_model, tmp_path):
+    """Under TP=2 the stored features of shared blocks reach the drafter on both ranks: the same
+    outputs and acceptance as TP=1 without prefix caching, and the ranks stay in step."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
+    spec = {"method": "dspark", **CHAIN, "dspark_verify": "full", "model": str(drafter)}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = LLM(model=str(small_vocab_model), dtype="float32", speculative_config=spec, enable_prefix_caching=False)
+    ref = _three_requests(one, params)[0], one.get_metrics()
+    llm = LLM(model=str(small_vocab_model), dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+    try:
+        out = _three_requests(llm, params)[0], llm.get_metrics()
+        cached, counts = llm.engine.stats.prefix_cached_tokens, llm.engine.runner.collective_counts()
+    finally:
+        llm.shutdown()
+    assert out == ref and cached == 48 + 32 and counts[0] == counts[1]
