@@ -271,6 +271,8 @@ class SpeculativeConfig:
 
 # how random requests draw their tokens (``EngineConfig.sampling_mode``; ``sample.coupled``)
 SAMPLING_MODES = ("coupled", "rejection")
+# the engine's default: speculation only at batch sizes where it pays (the test suite pins it off)
+SPECULATION_GATE = True
 
 # "auto": a GGUF runs in its own quantization (``gguf``), an HF directory unquantized; None / "none":
 # dense weights (a GGUF dequantized at load); "int8": every weight int8 per output channel; "int4":
@@ -292,7 +294,7 @@ class EngineConfig:
     sequences of max_model_len, at most a quarter of the machine's memory; reserved, resident as used).
     enable_prefix_caching: requests share the cached blocks of a common prompt prefix.
     speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than plain
-    steps (measured online, ``engine.spec_gate``); off: every step drafts."""
+    steps (measured online, ``engine.spec_gate``); False: every step drafts; None: ``SPECULATION_GATE``."""
 
     dtype: str = "auto"
     quantization: str | None = "auto"
@@ -306,7 +308,7 @@ class EngineConfig:
     sampling_mode: str = "coupled"
     kv_cache_memory: float | None = None
     enable_prefix_caching: bool = True
-    speculation_gate: bool = False
+    speculation_gate: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_num_seqs", "prefill_chunk", "seed", "num_threads", "max_model_len"):
@@ -328,6 +330,8 @@ class EngineConfig:
             check_number("kv_cache_memory", self.kv_cache_memory)
             if not self.kv_cache_memory > 0:
                 raise ValueError(f"kv_cache_memory must be > 0 (GiB) or None, got {self.kv_cache_memory}")
+        if self.speculation_gate is None:
+            self.speculation_gate = SPECULATION_GATE
         for name in ("enable_prefix_caching", "speculation_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")

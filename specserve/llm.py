@@ -31,7 +31,8 @@ class LLM:
         which read the target's features of every position, as far as a store of recent features holds
         them: ``engine.prefix_features``).
     speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than steps
-        without (measured online: ``specserve.engine.spec_gate``; ``specserve serve`` turns it on).
+        without (measured online: ``specserve.engine.spec_gate``); None (the default): on; False: every
+        step drafts (what vLLM does).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
@@ -39,7 +40,7 @@ class LLM:
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
                  prefill_chunk: int = 512, quantization: str | None = "auto", sampling_mode: str = "coupled",
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = True,
-                 speculation_gate: bool = False):
+                 speculation_gate: bool | None = None):
         gc.collect()  # an engine dropped before this one (its model and drafter hold reference cycles) goes first
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
                            quantization=quantization,

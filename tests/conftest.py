@@ -30,6 +30,17 @@ def real_threads() -> int:
 
 
 @pytest.fixture(autouse=True)
+def _speculation_gate_off(monkeypatch):
+    """Engines made in tests draft on every step unless a test asks for the speculation gate: the gate
+    decides from wall-clock rates, so the tests that count drafts (or check what drafted steps give)
+    would depend on the machine's speed. ``tests/unit/test_spec_gate.py`` tests the gate itself."""
+    monkeypatch.setattr("specserve.config.SPECULATION_GATE", False)
+
+
+SHIPPED_SPECULATION_GATE = __import__("specserve.config").config.SPECULATION_GATE  # before any pin
+
+
+@pytest.fixture(autouse=True)
 def _threads(request):
     """Tiny models (unit tests) run on 1 thread (their ops are too small to split, and a spare core keeps
     them fast when the machine is busy); the real default model (e2e, server) on this process's share

@@ -126,6 +126,7 @@ class BenchContext:
     device: str = "cpu"
     quantization: str | None = None  # resolved: None (dense), "gguf", "int8" or "int4"
     sampling_mode: str = "coupled"  # the specserve rows' ``LLM(sampling_mode=...)``
+    speculation_gate: bool = True  # the specserve rows' ``LLM(speculation_gate=...)``
 
 
 @dataclass
@@ -207,7 +208,7 @@ class SpecserveSession(Session):
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
                        device=ctx.device, quantization=ctx.quantization, sampling_mode=ctx.sampling_mode,
-                       max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
+                       speculation_gate=ctx.speculation_gate, max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
         try:
             runner = self.llm.engine.runner
             ran = (str(getattr(runner, "dtype", ctx.dtype)).removeprefix("torch."),
@@ -654,7 +655,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
               interleave: bool = True, device: str | None = "auto",
               quantizations: str | list[str] = "auto", sampling_mode: str = "coupled",
-              speculative_configs: list[str] | dict | None = None) -> list[dict]:
+              speculative_configs: list[str] | dict | None = None, speculation_gate: bool = True) -> list[dict]:
     """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
     quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
 
@@ -717,7 +718,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     rows = []
     for dtype, quant in groups:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
-                           tensor_parallel_size, device, quant, sampling_mode)
+                           tensor_parallel_size, device, quant, sampling_mode, speculation_gate)
         ran = [n for n in names if not getattr(runners[n], "derived", False)]
         results = _run_methods(runners, ran, ctx, interleaved, log)
         for n in names:  # rows computed from plain decoding's outputs (the oracle n-gram)

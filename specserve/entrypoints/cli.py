@@ -117,9 +117,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "of the memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes")
-    p.add_argument("--speculation-gate", choices=("on", "off"), default="off",
-                   help="on: draft only at batch sizes where steps with drafts emit tokens faster than plain steps "
-                        "(measured while serving); default on for serve, off for generate")
+    p.add_argument("--speculation-gate", choices=("on", "off"), default="on",
+                   help="on (default): draft only at batch sizes where steps with drafts emit tokens faster than "
+                        "plain steps (measured as it runs); off: every step drafts")
     _add_spec_args(p)
 
 
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "are plain decoding's with its seed, so they are compared too)")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads for every method (default: torch's default)")
+    b.add_argument("--speculation-gate", choices=("on", "off"), default="on",
+                   help="the specserve rows' speculation gate (default on, as LLM's; off: every step drafts, "
+                        "so tau measures the drafter on every step)")
     b.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="run every specserve row over N processes (gloo); rows then report collectives per "
                         "token and per drafting step (default 1)")
@@ -293,7 +296,7 @@ def _add_serve_parser(sub) -> None:
                    help="request line + headers size at most (default 32 KiB)")
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default warning)")
-    s.set_defaults(func=cmd_serve, speculation_gate="on")
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench-serve", help="load OpenAI-compatible servers at fixed concurrencies, with a plot",
                        description="Send streamed chat requests (temperature 0) to servers at fixed concurrencies "
@@ -438,12 +441,13 @@ def cmd_bench(args) -> int:
                      max_tokens=args.max_tokens, temperature=args.temperature, dtypes=args.dtype,
                      threads=args.threads, seed=args.seed, log=main_log,
                      tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
-                     device=args.device, quantizations=args.quantization, sampling_mode=args.sampling_mode)
+                     device=args.device, quantizations=args.quantization, sampling_mode=args.sampling_mode,
+                     speculation_gate=args.speculation_gate == "on")
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
     where = f"{r0['threads']} threads{tp}" if r0["device"] == "cpu" else r0["device"]
     print(f"{r0['num_prompts']} prompts, max {r0['max_tokens']} tokens, temperature {r0['temperature']}, "
-          f"{where}, batch size 1, "
+          f"{where}, batch size 1, speculation gate {args.speculation_gate}, "
           f"{'methods interleaved prompt by prompt' if r0['interleaved'] else 'one method after the other'}; "
           "tok/s = generated tokens / request wall time (prefill included)")
     print(format_table(rows), flush=True)

@@ -59,9 +59,10 @@ def test_bench_none_hf_ngram_float32(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
     r = specserve("bench", "--methods", "none,hf,ngram-chain", "--num-prompts", "2", "--max-tokens", "8", "--dtype",
-                  "float32", "--json", str(out))
+                  "float32", "--json", str(out), "--speculation-gate", "off")  # every step drafts: counted below
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stdout and "ours/hf" in r.stdout and "interleaved prompt by prompt" in r.stdout
+    assert "speculation gate off" in r.stdout
     rows = json.loads(out.read_text())
     assert all(row["interleaved"] for row in rows)
     assert [(row["method"], row["dtype"]) for row in rows] == [("none", "float32"), ("hf", "float32"),
@@ -142,12 +143,14 @@ def test_demo_in_bfloat16_gives_plain_decodings_text():
 def test_bench_drafter_checkpoint_by_path(tmp_path):
     """A ``--speculative-config`` row runs the drafter at its ``model``: here the shipped DFlash drafter
     through the dspark method, which accepts what the ``dflash`` row accepts, not what the shipped
-    DSpark drafter does (chains: the default trees are sized by timings, which differ run to run)."""
+    DSpark drafter does (chains, every step drafting: the default trees and the speculation gate follow
+    timings, which differ run to run)."""
     from specserve.spec_decode.dspark.proposer import SHIPPED_DIR
 
     ck = SHIPPED_DIR / "dflash-smollm2-135m"
     out = tmp_path / "bench.json"
     r = specserve("bench", "--methods", "dspark-chain,dflash-chain", "--prompts", "chitchat-heldout",
+                  "--speculation-gate", "off",
                   "--speculative-config", "by-path=" + json.dumps({"method": "dspark", "model": str(ck),
                                                                    "dspark_tree": None}),
                   "--num-prompts", "2", "--max-tokens", "32", "--json", str(out))

@@ -5,7 +5,10 @@ import time
 
 import pytest
 
+from conftest import SHIPPED_SPECULATION_GATE
+
 from specserve import LLM, SamplingParams
+from specserve.entrypoints.cli import build_parser
 from specserve.engine.spec_gate import SpeculationGate
 
 
@@ -50,3 +53,18 @@ def test_engine_backs_off_a_drafter_that_does_not_pay(tiny_llama):
     assert drafted_on <= drafted_off / 3, steps  # with the gate, in few: its measurements and probes
     with pytest.raises(TypeError, match="speculation_gate must be true or false"):
         LLM(model=str(tiny_llama), speculation_gate="yes")
+
+
+def test_the_gate_is_on_by_default(tiny_llama, monkeypatch):
+    """``LLM``, ``generate``/``serve`` and the bench run the gate unless told otherwise (the test suite
+    pins it off for every other test: ``conftest._speculation_gate_off``)."""
+    assert SHIPPED_SPECULATION_GATE is True
+    monkeypatch.setattr("specserve.config.SPECULATION_GATE", SHIPPED_SPECULATION_GATE)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    assert LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec).engine.gate is not None
+    off = LLM(model=str(tiny_llama), dtype="float32", speculative_config=spec, speculation_gate=False)
+    assert off.engine.gate is None
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["serve"], ["bench"]):
+        assert parser.parse_args(argv).speculation_gate == "on", argv
+    assert parser.parse_args(["bench", "--speculation-gate", "off"]).speculation_gate == "off"
