@@ -10,8 +10,8 @@ cannot run; it may take any of these keywords, or none). Rows today:
 - ``hf``:   HF transformers ``generate`` on the same HF directory, same dtype, same torch threads;
 - ``llama.cpp`` (or ``llamacpp``): llama-cpp-python on the same GGUF file (the default model's, or the
   ``--model`` .gguf), in the GGUF's own quantization, greedy (or plain sampling at the temperature),
-  the same prompt ids, ``n_threads`` = the bench's threads, its KV cache reset before every request
-  (no prompt caching across requests). Its tokens are compared with ``none``'s for information only
+  the same prompt ids, ``n_threads`` = the bench's threads, reusing the KV of the prefix a request
+  shares with the one before (as our rows' prefix caching, and llama.cpp's server, do). Its tokens are compared with ``none``'s for information only
   (llama.cpp also quantizes the activations of its quantized matmuls, so its greedy text drifts from
   ours); every row of a run with it gets ``speedup_vs_llamacpp`` (tok/s over llama.cpp's).
 
@@ -421,8 +421,10 @@ def llamacpp_gguf(model) -> Path:
 
 class LlamaCppSession(Session):
     """One ``llama_cpp.Llama`` over the GGUF, ``n_threads`` = ``n_threads_batch`` = the bench's threads,
-    a context big enough for the longest prompt and ``max_tokens``; every request starts from an empty
-    KV cache (``reset()``), prefill included in its time like our rows'."""
+    a context big enough for the longest prompt and ``max_tokens``; a request reuses the KV of the prefix
+    it shares with the one before (llama-cpp-python's ``generate`` keeps the longest common prefix, as
+    llama.cpp's server caches prompts), as our rows share cached blocks of earlier requests (prefix
+    caching); prefill included in its time like our rows'."""
 
     def __init__(self, ctx: BenchContext, gguf: Path):
         llama_cpp = import_llama_cpp()
@@ -442,7 +444,6 @@ class LlamaCppSession(Session):
         self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
 
     def _generate(self, ids: list[int], n: int, i: int) -> list[int]:
-        self.llm.reset()  # an empty cache: no prefix of an earlier request (e.g. the chat template's) reused
         if self.sampling["temp"] > 0:
             self.llm.set_seed(self.ctx.seed + i)
         out: list[int] = []
