@@ -11,9 +11,10 @@ cannot run; it may take any of these keywords, or none). Rows today:
 - ``llama.cpp`` (or ``llamacpp``): llama-cpp-python on the same GGUF file (the default model's, or the
   ``--model`` .gguf), in the GGUF's own quantization, greedy (or plain sampling at the temperature),
   the same prompt ids, ``n_threads`` = the bench's threads, reusing the KV of the prefix a request
-  shares with the one before (as our rows' prefix caching, and llama.cpp's server, do). Its tokens are compared with ``none``'s for information only
-  (llama.cpp also quantizes the activations of its quantized matmuls, so its greedy text drifts from
-  ours); every row of a run with it gets ``speedup_vs_llamacpp`` (tok/s over llama.cpp's).
+  shares with the one before (as our rows' prefix caching, and llama.cpp's server, do). Its tokens are
+  compared with ``none``'s for information only (llama.cpp also quantizes the activations of its
+  quantized matmuls, so its greedy text drifts from ours); every row of a run with it gets
+  ``speedup_vs_llamacpp`` (tok/s over llama.cpp's).
 
 Weight formats (``--quantization``, a comma list like ``--dtype``): every (dtype, quantization) pair
 is one group of rows, each with its own ``none`` baseline; "auto" is the GGUF's own quantization for

@@ -37,6 +37,9 @@ class _Chain:
 
 
 class PrefixFeatures:
+    """The features of recent sequences' full blocks by chained hash (``lookup``), filled as their
+    positions are committed (``observe``); ``capacity`` positions at most."""
+
     def __init__(self, block_size: int, capacity: int = CAPACITY):
         self.block_size = block_size
         self.capacity = max(1, capacity // block_size)  # blocks
