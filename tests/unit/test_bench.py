@@ -220,33 +220,43 @@ def test_bench_llamacpp_missing_package_fails_before_loading(monkeypatch, capsys
 
 
 class FakeLlama:
-    """``llama_cpp.Llama`` as the bench uses it: records its settings, resets and generate calls, and
-    generates ``prompt[-1] + 1, + 2, ...`` (the EOS id 0 after ``eos_after`` tokens, when set)."""
+    """``llama_cpp.Llama`` as the bench uses it: records its settings and generate calls, and generates
+    ``prompt[-1] + 1, + 2, ...`` (the EOS id 0 after ``eos_after`` tokens, when set). Like
+    llama-cpp-python, ``generate`` keeps the longest prefix of the prompt (never its last token) that the
+    cache holds from the request before (the tokens it evaluated: the prompt and all but the last
+    generated token), recorded as ``kept``."""
 
     instances: ClassVar[list] = []
     eos_after: ClassVar[int | None] = None
 
     def __init__(self, model_path, **kw):
         self.model_path, self.kw, self.calls = model_path, kw, []
-        self.n_tokens = 0
+        self.input_ids: list[int] = []
         FakeLlama.instances.append(self)
 
     def reset(self):
         self.calls.append(("reset",))
-        self.n_tokens = 0
+        self.input_ids = []
 
     def set_seed(self, seed):
         self.calls.append(("seed", seed))
 
-    def generate(self, tokens, **kw):
-        assert self.n_tokens == 0, "generate on a cache that was not reset"
-        self.calls.append(("generate", list(tokens), kw))
-        self.n_tokens = len(tokens)
-        k = 0
+    def generate(self, tokens, reset=True, **kw):
+        assert reset, "llama-cpp-python keeps a shared prefix only with reset=True"
+        kept = 0
+        for a, b in zip(self.input_ids, tokens[:-1]):
+            if a != b:
+                break
+            kept += 1
+        self.calls.append(("generate", list(tokens), kw, kept))
+        self.input_ids = list(tokens)
+        k, last = 0, None
         while True:  # like llama.cpp: never stops by itself
             k += 1
-            self.n_tokens += 1
-            yield 0 if k == self.eos_after else tokens[-1] + k
+            if last is not None:
+                self.input_ids.append(last)  # evaluated when the next token is asked for
+            last = 0 if k == self.eos_after else tokens[-1] + k
+            yield last
 
     def close(self):
         self.calls.append(("close",))
@@ -281,14 +291,15 @@ def test_bench_llamacpp_needs_a_gguf_one_process_and_the_cpu(fake_llama_cpp, tmp
         m.check(model=str(gguf), device="cuda")
 
 
-def test_bench_llamacpp_session_feeds_our_prompt_ids_greedy_with_a_fresh_cache(fake_llama_cpp, tmp_path):
+def test_bench_llamacpp_session_feeds_our_prompt_ids_greedy_keeping_the_shared_prefix(fake_llama_cpp, tmp_path):
     """The row's llama.cpp gets the bench's prompt ids as they are, greedy settings, the thread count
-    for prompt and generation, a cache reset before every request, and stops at EOS or max_tokens."""
+    for prompt and generation, its cache never reset (a request keeps the prefix it shares with the one
+    before, as our rows' prefix caching does), and stops at EOS or max_tokens."""
     from specserve.bench.harness import WARMUP_TOKENS, BenchContext, LlamaCppMethod
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
+    prompts = [[5, 6, 7], [5, 6, 11, 12, 13, 14], [20]]
     ctx = BenchContext(str(gguf), tmp_path, "float32", prompts, [0], 5, 0.0, 0, 3)
     session = LlamaCppMethod().start(ctx)
     (llama,) = FakeLlama.instances
@@ -306,10 +317,10 @@ def test_bench_llamacpp_session_feeds_our_prompt_ids_greedy_with_a_fresh_cache(f
     assert res.outputs == [[8, 9, 10, 11, 12], [15, 0], [21, 22, 23, 24, 25]]  # max_tokens 5, EOS kept
     gens = [c for c in llama.calls if c[0] == "generate"]
     assert [g[1] for g in gens] == [prompts[0], prompts[1], prompts[0], prompts[2]]  # warm-up first
-    for _, _, g in gens:
+    for _, _, g, _ in gens:
         assert g["temp"] == 0.0 and g["top_k"] == 1 and g["repeat_penalty"] == 1.0
-    kinds = [c[0] for c in llama.calls]
-    assert kinds == ["reset", "generate"] * 4  # a reset before every request, the warm-up's included
+    assert [g[3] for g in gens] == [0, 2, 2, 0]  # the prefix each shares with the request before
+    assert [c[0] for c in llama.calls] == ["generate"] * 4  # never a reset
     assert len(session.outputs) == 3 and session.wall > 0
     assert res.extra["n_threads"] == 3 and res.extra["llama_cpp_version"] == "0.0-fake"
     session.close()
