@@ -194,10 +194,8 @@ class LLMEngine:
                                       return_hidden=self.proposer.needs_hidden and last)
             if out.aux or out.hidden is not None:
                 for i, (s, piece) in enumerate(zip(group, pieces)):
-                    aux = [a[i, : len(piece)] for a in out.aux]
-                    self.proposer.observe(s, out.hidden[i] if out.hidden is not None else None, aux, reset=begin == 0)
-                    if self.prefix_features is not None:
-                        self.prefix_features.observe(s, aux, reset=begin == 0)
+                    self._observe(s, out.hidden[i] if out.hidden is not None else None,
+                                  [a[i, : len(piece)] for a in out.aux], reset=begin == 0)
             for s, piece in zip(group, pieces):
                 s.num_computed = begin + len(piece)
                 budget -= len(piece)
@@ -272,9 +270,14 @@ class LLMEngine:
         seq.num_computed = self.runner.share_prefix(seq.slot, ids)
         self.stats.prefix_cached_tokens += seq.num_computed
         if features and seq.num_computed:
-            features = [f[: seq.num_computed] for f in features]
-            self.proposer.observe(seq, None, features, reset=True)
-            self.prefix_features.observe(seq, features, reset=True)
+            self._observe(seq, None, [f[: seq.num_computed] for f in features], reset=True)
+
+    def _observe(self, seq: Sequence, hidden, aux: list, reset: bool) -> None:
+        """The target's features of ``seq``'s newly kept positions (whose tokens ``seq`` already holds) to
+        the drafter, and to the prefix caching's store of features where there is one."""
+        self.proposer.observe(seq, hidden, aux, reset)
+        if self.prefix_features is not None and aux:
+            self.prefix_features.observe(seq, aux, reset)
 
     def _decode(self) -> None:
         """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
@@ -327,15 +330,11 @@ class LLMEngine:
             self.metrics.record(drafts.depth(b), accepted)
             self.proposer.verified(s, emitted, kept_idx)
             s.num_computed = batch.starts[b] + 1 + accepted
-            aux = None
+            kept = s.append_tokens(emitted)
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
                 idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
-                aux = [a[b, idx] for a in out.aux]
-                self.proposer.observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None, aux,
-                                      reset=False)
-            kept = s.append_tokens(emitted)
-            if self.prefix_features is not None and aux:  # after the append: it reads their tokens
-                self.prefix_features.observe(s, aux, reset=False)
+                self._observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
+                              [a[b, idx] for a in out.aux], reset=False)
             if s.logprobs is not None:  # emitted[j] was chosen from the logits of position kept_idx[j]
                 s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
             emitted_total += kept

@@ -77,7 +77,8 @@ class Proposer:
         """Attach to the target (``target.DraftTarget``: its embedding, LM head, config, step costs)."""
 
     def observe(self, seq, last_hidden: torch.Tensor | None, aux: list[torch.Tensor], reset: bool) -> None:
-        """Called after every forward that kept positions of ``seq`` in the cache: ``last_hidden`` [d]
+        """Called after every forward that kept positions of ``seq`` in the cache (after the tokens that
+        step emitted are appended to ``seq``): ``last_hidden`` [d]
         is the target's final normed hidden state at the last kept position (when ``needs_hidden``);
         ``aux[i]`` [n, d] the outputs of ``aux_layers[i]`` at the n newly kept positions; ``reset``
         marks the first prefill chunk of a sequence."""

@@ -39,6 +39,7 @@ class NgramProposer(ModelDrafter):
 
     def forget(self, seq) -> None:
         self.source.forget(seq)
+        super().forget(seq)
 
     def verified(self, seq, emitted: list[int], kept: list[int]) -> None:
         self.source.observe(seq, emitted)
