@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import specserve.config
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -37,7 +39,7 @@ def _speculation_gate_off(monkeypatch):
     monkeypatch.setattr("specserve.config.SPECULATION_GATE", False)
 
 
-SHIPPED_SPECULATION_GATE = __import__("specserve.config").config.SPECULATION_GATE  # before any pin
+SHIPPED_SPECULATION_GATE = specserve.config.SPECULATION_GATE  # before any pin
 
 
 @pytest.fixture(autouse=True)
