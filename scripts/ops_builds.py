@@ -4,7 +4,9 @@ compiled under its own module name, and the same loaded model switches between t
 A build is a checkout's root (``git worktree add <dir> <commit>`` for an old one). Prints the median ms
 of a forward appending n tokens to a context of ``--context`` positions (128), per build, and their
 ratio. The figures of docs/quantization.md's "between the linears" paragraph come from
-``python scripts/ops_builds.py <old checkout> . --tokens 1,2,3,4,8 --rounds 12``."""
+``python scripts/ops_builds.py <old checkout> . --tokens 1,2,3,4,8 --rounds 12``. With ``--linears``: the
+group kernel alone on each distinct shape of the model's quantized linears (one weight, from cache),
+fastest of the rounds, and B's time over A's ("4-bit codes in fixed point")."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specserve.layers import cpu_ops
-from specserve.layers.quant import GroupKernel
+from specserve.layers.quant import GROUP_GRAIN, GROUP_TILE, GroupKernel
 
 def build(root: Path, tag: str):
     """The ops of checkout ``root`` as module ``specserve_ops_<tag>`` (built once, in the temp dir)."""
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--forwards", type=int, default=40, help="timed forwards per size and round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="positions before the appended tokens")
+    ap.add_argument("--linears", action="store_true", help="time the group kernel alone per linear shape")
     args = ap.parse_args()
     context = args.context
     torch.set_num_threads(args.threads)
@@ -58,6 +61,9 @@ def main() -> None:
             layer._one_call = None
         model._plan = None
 
+    if args.linears:
+        time_linears(mods, linears, sizes, args.rounds, args.forwards)
+        return
     ms = {k: {n: [] for n in sizes} for k in mods}
     with torch.inference_mode():
         for r in range(args.rounds):
@@ -81,6 +87,33 @@ def main() -> None:
     for k, path in (("A", args.a), ("B", args.b)):
         print(f"| {k}: {path} | " + " | ".join(f"{med[k][n]:.3f}" for n in sizes) + " |")
     print("| B / A | " + " | ".join(f"{med['B'][n] / med['A'][n]:.3f}" for n in sizes) + " |")
+
+
+@torch.inference_mode()
+def time_linears(mods: dict, linears: list, sizes: list[int], rounds: int, calls: int) -> None:
+    """Per distinct (bits, out x in) of ``linears``: the fastest of ``rounds`` means of ``calls`` group_gemm
+    calls on n rows, the builds alternating; prints B's time over A's."""
+    shapes = {}
+    for m in linears:
+        k = m.qkernel
+        shapes.setdefault((k.bits, k.out_features, k.in_features), k)
+    g = torch.Generator().manual_seed(0)
+    print(f"group kernel alone, B's time over A's (fastest of {rounds} x {calls} calls)")
+    print("| linear | " + " | ".join(f"n={n}" for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for (bits, n_out, n_in), k in sorted(shapes.items()):
+        ratios = []
+        for n in sizes:
+            x = torch.randn(n, n_in, generator=g).to(torch.bfloat16)
+            best = {name: float("inf") for name in mods}
+            for r in range(rounds):
+                for name in mods if r % 2 == 0 else list(mods)[::-1]:
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        mods[name].group_gemm(x, k.weight, bits, GROUP_GRAIN, GROUP_TILE)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            ratios.append(best["B"] / best["A"])
+        print(f"| {bits}-bit {n_out} x {n_in} | " + " | ".join(f"{v:.2f}" for v in ratios) + " |")
 
 
 if __name__ == "__main__":
