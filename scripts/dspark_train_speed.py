@@ -1,8 +1,9 @@
 """How fast this machine trains the shipped DSpark drafter: steps of ``specserve train dspark``'s loop
-(``train.dspark.loop``: bfloat16 autocast, AdamW, 8 sequences a step, ``--anchors`` blocks each) on
-synthetic sequences of ``--length`` tokens with random target features, after two warm-up steps.
-Prints ms a step and blocks a second: what a training round of N blocks would take here (the target's
-features and the held-out evaluation come on top). Optionally the profiler's top ops (``--profile``)."""
+(``train.dspark.loop``: bfloat16 autocast, or float32 with ``--train-dtype float32``; AdamW, 8 sequences a
+step, ``--anchors`` blocks each) on synthetic sequences of ``--length`` tokens with random target
+features, after two warm-up steps. Prints ms a step and blocks a second: what a training round of N
+blocks would take here (the target's features and the held-out evaluation come on top). Optionally the
+profiler's top ops (``--profile``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="bfloat16: autocast, as --train-dtype bfloat16 (slow on CPUs without bfloat16 arithmetic)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tcfg = read_config(resolve_model_dir(None))
@@ -43,8 +46,8 @@ def main() -> None:
               torch.randn(args.length, generator=g) + 10) for _ in range(n_seqs)]
     target = (0.05 * torch.randn(V, d, generator=g), None, 0.05 * torch.randn(V, d, generator=g))
     loop = _Loop(drafter, samples, feats, target, gamma=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                 anchors_per_seq=args.anchors, batch_size=8, loss_w=(0.1, 0.9, 1.0), grad_clip=1.0, mixed=True,
-                 progress=False, log=None, state=None)
+                 anchors_per_seq=args.anchors, batch_size=8, loss_w=(0.1, 0.9, 1.0), grad_clip=1.0,
+                 mixed=args.train_dtype == "bfloat16", progress=False, log=None, state=None)
     loop.params, loop.opt, loop.sched = adamw_cosine(drafter, 3e-4, 0.0, 0.04, 100)
     loop.sw, loop.gen = slot_weights(cfg.block_size, 4.0), torch.Generator().manual_seed(0)
     drafter.train()
