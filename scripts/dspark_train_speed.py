@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="bfloat16: autocast, as --train-dtype bfloat16 (slow on CPUs without bfloat16 arithmetic)")
+                    help="as train dspark's --train-dtype (bfloat16 autocast is slow on CPUs without bfloat16 math)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tcfg = read_config(resolve_model_dir(None))
