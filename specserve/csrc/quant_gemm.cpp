@@ -20,9 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -203,25 +201,14 @@ struct BlockRun : GemmCall {
 }  // namespace
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The same packed layout on CPUs with AVX2 and FMA but no AVX-512 BF16 (most laptops), which lack a
-// bfloat16 dot product. 8-bit codes: the operations vdpbf16ps defines, in the same order (each lane: the
-// odd input's exact product added, rounded, then the even one's; inputs below float32's normal range read
-// as zero), as float32 FMAs on 8 output rows at a time: a 16-byte half chunk widens to 8 lanes of 16-bit
-// words, each code masked where it sits and converted to float32 (its value times 1 or 256), meeting x
-// scaled by the inverse power of two (``scaled_rows``), so the product and every rounding after it are
-// those of the code and x.
-//
-// 4-bit codes: exact integer sums. Each group of 32 values of a row of x is written in fixed point
-// against the group's largest magnitude (``split_rows``): v = round(x 2^(14 - e)), 2^e above that
-// magnitude, |v| <= 16,320; exact for every value within 7 binades of the largest (bfloat16 holds 8
-// significant bits), else rounded to a multiple of 2^(e - 14): an error of at most 2^-14 of the group's
-// largest magnitude, where bfloat16 itself rounds each value by up to 2^-9 of it. The group's sum S of code times v is an integer
-// below 2^23, computed exactly by either of two kernels: one row (``int_tile``) through vpmaddubsw, 32
-// products of a code byte and a byte of v (v = 128 hi + lo) an instruction, added in 16-bit lanes and
-// combined in 32 bits; several rows (``halves_tile``) as float32 FMAs of codes masked where they sit with
-// v scaled by the inverse power of two (every partial sum an integer below 2^24: exact). Per group both
-// take S * 2^(e - 14) (exact) times d into the row's total (one FMA) and m times the group's float32 sum
-// of x (``group_sums``): the same bits whatever kernel or rows a call takes.
+// The same kernel for CPUs with AVX2 and FMA but no AVX-512 BF16 (most laptops): the same packed layout
+// and the same operations in the same order as vdpbf16ps defines them (each lane: the odd input's exact
+// product added, rounded, then the even one's; inputs below float32's normal range read as zero), as
+// float32 FMAs on 8 output rows at a time. A 16-byte half chunk widens to 8 lanes of 16-bit words that
+// hold 4 codes each (4-bit: even input low / high nibble in bits 0-3 / 4-7, odd input in bits 8-11 /
+// 12-15); each code is masked where it sits and converted to float32 (its value times 1, 16, 256 or
+// 4096), and meets x scaled by the inverse power of two (``scaled_rows``): the product, and so every
+// rounding after it, is that of the code and x.
 
 namespace {
 
@@ -233,92 +220,16 @@ inline float bf16_in(at::BFloat16 v) {  // as vdpbf16ps reads an input: a subnor
   return (reinterpret_cast<const uint16_t&>(v) & 0x7F80) == 0 ? 0.0f * f : f;
 }
 
-// x [M, K] as float32 for 8-bit codes, each value divided by the power of two its code is multiplied by
-// in the packed word: even inputs 1, odd 256. Exact: x's 8 significant bits stay above float32's smallest
-// subnormal after the division.
-std::vector<float> scaled_rows(const at::BFloat16* x, int64_t M, int64_t K) {
+// x [M, K] as float32, each value divided by the power of two its code is multiplied by in the packed
+// word: 4-bit, inputs k < 16 of a group: even 1, odd 256; k >= 16: even 16, odd 4096; 8-bit: even 1,
+// odd 256. Exact: x's 8 significant bits stay above float32's smallest subnormal after the division.
+std::vector<float> scaled_rows(const at::BFloat16* x, int64_t M, int64_t K, bool q8) {
   float inv[kGroup];
-  for (int64_t k = 0; k < kGroup; ++k) inv[k] = k & 1 ? 1.0f / 256 : 1.0f;
+  for (int64_t k = 0; k < kGroup; ++k)
+    inv[k] = q8 ? (k & 1 ? 1.0f / 256 : 1.0f) : (k < 16 ? (k & 1 ? 1.0f / 256 : 1.0f) : (k & 1 ? 1.0f / 4096 : 1.0f / 16));
   std::vector<float> out(M * K);
   for (int64_t i = 0; i < M * K; ++i) out[i] = bf16_in(x[i]) * inv[i % kGroup];
   return out;
-}
-
-// A call's rows of x in fixed point, per group of 32 (4-bit codes): the group's scale 2^(e - 14) (0 for
-// a group below 2^-100, whose values count as zero; NaN for one not finite) and either the bytes of v
-// that ``int_tile`` broadcasts (``words``: per chunk c, 32-bit words of the lo pairs (2c, 2c + 1),
-// (16 + 2c, 17 + 2c), then the hi pairs, each pair twice) or v as float32 divided by the power of two its
-// code is multiplied by in the packed word (``xq``: k < 16 even 1, odd 256; k >= 16 even 16, odd 4096).
-struct SplitRows {
-  std::vector<uint32_t> words;
-  std::vector<float> xq, scale;
-};
-
-SplitRows split_rows(const at::BFloat16* x, int64_t M, int64_t K, bool words) {
-  const int64_t n = M * (K / kGroup);
-  SplitRows s;
-  if (words)
-    s.words.assign(n * 32, 0);
-  else
-    s.xq.assign(n * 32, 0.0f);
-  s.scale.assign(n, 0.0f);
-  alignas(32) float inv[kGroup];
-  for (int64_t k = 0; k < kGroup; ++k) inv[k] = k < 16 ? (k & 1 ? 1.0f / 256 : 1.0f) : (k & 1 ? 1.0f / 4096 : 1.0f / 16);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
-  for (int64_t i = 0; i < n; ++i) {  // group i of the flattened [M, K] (rows are contiguous)
-    const at::BFloat16* xg = x + i * kGroup;
-    __m256 f[4];
-    __m256 mx = _mm256_setzero_ps();
-    __m256i inf = _mm256_setzero_si256();
-    for (int q = 0; q < 4; ++q) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 8 * q)));
-      f[q] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      mx = _mm256_max_ps(mx, _mm256_and_ps(f[q], abs_mask));
-      inf = _mm256_or_si256(inf, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(f[q]), exp_mask), exp_mask));
-    }
-    if (!_mm256_testz_si256(inf, inf)) {
-      s.scale[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    uint32_t bits;
-    const float top = _mm_cvtss_f32(m4);
-    std::memcpy(&bits, &top, 4);
-    const int32_t E = static_cast<int32_t>(bits >> 23);  // top = 1.f 2^(E - 127) < 2^(E - 126)
-    if (E < 27) continue;                                // top < 2^-100
-    const uint32_t up = static_cast<uint32_t>(267 - E) << 23, down = static_cast<uint32_t>(E - 13) << 23;
-    float fu, fd;
-    std::memcpy(&fu, &up, 4);    // 2^(140 - E) = 2^(14 - e)
-    std::memcpy(&fd, &down, 4);  // 2^(E - 140) = 2^(e - 14)
-    s.scale[i] = fd;
-    alignas(32) int32_t v[kGroup];
-    for (int q = 0; q < 4; ++q)  // round to nearest even (the default rounding mode)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * q), _mm256_cvtps_epi32(_mm256_mul_ps(f[q], _mm256_set1_ps(fu))));
-    if (!words) {
-      float* o = s.xq.data() + i * kGroup;
-      const __m256 sf = _mm256_set1_ps(fd);  // v 2^(e - 14) / (1, 16, 256 or 4096): exact
-      for (int q = 0; q < 4; ++q)
-        _mm256_storeu_ps(o + 8 * q, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(v + 8 * q))),
-                                                   _mm256_mul_ps(_mm256_load_ps(inv + 8 * q), sf)));
-      continue;
-    }
-    auto pair = [&v](int64_t k, int shift) {  // the lo (shift 0) or hi (7) bytes of v[k], v[k + 1], twice
-      const uint32_t a = static_cast<uint32_t>(shift ? (v[k] >> 7) & 0xFF : v[k] & 127);
-      const uint32_t b = static_cast<uint32_t>(shift ? (v[k + 1] >> 7) & 0xFF : v[k + 1] & 127);
-      return (a | b << 8) * 0x00010001u;
-    };
-    uint32_t* w = s.words.data() + i * 32;
-    for (int64_t c = 0; c < 8; ++c) {
-      w[4 * c] = pair(2 * c, 0);
-      w[4 * c + 1] = pair(16 + 2 * c, 0);
-      w[4 * c + 2] = pair(2 * c, 7);
-      w[4 * c + 3] = pair(16 + 2 * c, 7);
-    }
-  }
-  return s;
 }
 
 // xs[i, g]: x[i, 32 g] + ... + x[i, 32 g + 31] added in order in float32 (as the AVX-512 kernel),
@@ -347,9 +258,8 @@ inline __m128i to_bf16x8(__m256 v) {  // round to nearest even (NaN stays NaN), 
 }
 
 // NH sets of 8 output rows (w[j]: a block's start + 16 bytes for its second half; y[j]: their first
-// output column) over all groups, for MT rows of x (xq: scaled_rows, or split_rows's for 4-bit codes).
-// Each lane's sums form two chains of 16 dependent FMAs a group: a pass of one row keeps two halves (4
-// chains) in flight.
+// output column) over all groups, for MT rows of x (xq: scaled_rows). Each lane's sums form two chains
+// of 16 dependent FMAs a group: a pass of one row keeps two halves (4 chains) in flight.
 template <bool Q8, int MT, int NH>
 inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq, int64_t ldx, const float* xs,
                         at::BFloat16* const* y, int64_t ldy) {
@@ -384,7 +294,7 @@ inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq
         const uint8_t* b = w[j] + g * kBlock;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288)));
-        for (int r = 0; r < MT; ++r) {  // a0 + a1: the group's integer sum S times its scale, exact
+        for (int r = 0; r < MT; ++r) {
           tot[j][r] = _mm256_fmadd_ps(_mm256_add_ps(a0[j][r], a1[j][r]), d, tot[j][r]);
           tot[j][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * groups + g]), tot[j][r]);
         }
@@ -412,73 +322,6 @@ inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq
   for (int j = 0; j < NH; ++j)
     for (int r = 0; r < MT; ++r)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y[j] + r * ldy), to_bf16x8(tot[j][r]));
-}
-
-// One block of 16 output rows of 4-bit codes over all groups, for MT rows of x (xw, sc, xs: their
-// split_rows words, group scales and group sums, ``groups`` a row). After the 16-bit sums are widened,
-// lanes hold rows 0-3, 8-11 (a) and 4-7, 12-15 (b); d and m are taken in that order and the outputs put
-// back.
-template <int MT>
-inline void int_tile(const uint8_t* wb, int64_t groups, const uint32_t* xw, const float* sc, const float* xs,
-                     at::BFloat16* y, int64_t ldy) {
-  const __m256i nib = _mm256_set1_epi16(0x0F0F);
-  const __m256i lo_hi = _mm256_set1_epi32(0x00800001);  // 16-bit pairs (lo, hi) -> lo + 128 hi
-  __m256 ta[MT], tb[MT];
-  for (int r = 0; r < MT; ++r) ta[r] = tb[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* b = wb + g * kQ4Block;
-    // 16-bit sums of 8 chunks: lo and hi bytes of v against the low and the high nibbles (|sum| <= 30,720)
-    __m256i lo_l[MT], lo_h[MT], hi_l[MT], hi_h[MT];
-    for (int r = 0; r < MT; ++r) lo_l[r] = lo_h[r] = hi_l[r] = hi_h[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
-      const __m256i low = _mm256_and_si256(v, nib);                         // a row's (2c, 2c + 1)
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);  // (16 + 2c, 17 + 2c)
-      for (int r = 0; r < MT; ++r) {
-        const uint32_t* p = xw + (r * groups + g) * 32 + 4 * c;
-        lo_l[r] = _mm256_add_epi16(lo_l[r], _mm256_maddubs_epi16(low, _mm256_set1_epi32(static_cast<int32_t>(p[0]))));
-        lo_h[r] = _mm256_add_epi16(lo_h[r], _mm256_maddubs_epi16(high, _mm256_set1_epi32(static_cast<int32_t>(p[1]))));
-        hi_l[r] = _mm256_add_epi16(hi_l[r], _mm256_maddubs_epi16(low, _mm256_set1_epi32(static_cast<int32_t>(p[2]))));
-        hi_h[r] = _mm256_add_epi16(hi_h[r], _mm256_maddubs_epi16(high, _mm256_set1_epi32(static_cast<int32_t>(p[3]))));
-      }
-    }
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 272)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 304)));
-    const __m256 da = _mm256_permute2f128_ps(d0, d1, 0x20), db = _mm256_permute2f128_ps(d0, d1, 0x31);
-    const __m256 ma = _mm256_permute2f128_ps(m0, m1, 0x20), mb = _mm256_permute2f128_ps(m0, m1, 0x31);
-    for (int r = 0; r < MT; ++r) {
-      const __m256i sa = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi16(lo_l[r], hi_l[r]), lo_hi),
-                                          _mm256_madd_epi16(_mm256_unpacklo_epi16(lo_h[r], hi_h[r]), lo_hi));
-      const __m256i sb = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpackhi_epi16(lo_l[r], hi_l[r]), lo_hi),
-                                          _mm256_madd_epi16(_mm256_unpackhi_epi16(lo_h[r], hi_h[r]), lo_hi));
-      const __m256 s = _mm256_set1_ps(sc[r * groups + g]), x = _mm256_set1_ps(xs[r * groups + g]);
-      ta[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sa), s), da, ta[r]);
-      ta[r] = _mm256_fmadd_ps(ma, x, ta[r]);
-      tb[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sb), s), db, tb[r]);
-      tb[r] = _mm256_fmadd_ps(mb, x, tb[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ldy), to_bf16x8(_mm256_permute2f128_ps(ta[r], tb[r], 0x20)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ldy + 8), to_bf16x8(_mm256_permute2f128_ps(ta[r], tb[r], 0x31)));
-  }
-}
-
-// 4-bit blocks [b0, b1) one at a time against every tile of one or two rows of x (int_tile)
-void int_block_rows(const uint8_t* pw, int64_t bstride, int64_t b0, int64_t b1, int64_t groups, const SplitRows& xr,
-                    int64_t M, const float* xs, at::BFloat16* y, int64_t N) {
-  for (int64_t nb = b0; nb < b1; ++nb)
-    for (int64_t i = 0; i < M; i += 2) {
-      const uint32_t* xw = xr.words.data() + i * groups * 32;
-      const float* sc = xr.scale.data() + i * groups;
-      if (M - i == 1)
-        int_tile<1>(pw + nb * bstride, groups, xw, sc, xs + i * groups, y + i * N + nb * kRows, N);
-      else
-        int_tile<2>(pw + nb * bstride, groups, xw, sc, xs + i * groups, y + i * N + nb * kRows, N);
-    }
 }
 
 // MT rows of x against the halves of blocks [nb0, nb1) (at most 2 blocks), NH halves a pass
@@ -520,21 +363,15 @@ void block_rows(const uint8_t* pw, int64_t bstride, int64_t b0, int64_t b1, int6
   }
 }
 
-// 4-bit codes: calls of up to kIntRows rows take int_tile, larger ones the FMA tiles (the same bits);
-// int_tile measured faster up to 4 rows, slower from 5 (two rows a pass against four: docs/quantization.md).
-constexpr int64_t kIntRows = 4;
-
-// a call's row blocks [b0, b1), pairs of them against every tile of rows (int_tile: one block at a time)
+// a call's row blocks [b0, b1), pairs of them against every tile of rows
 struct BlockRun : GemmCall {
-  SplitRows xr = q8 ? SplitRows{{}, scaled_rows(x, M, K), {}} : split_rows(x, M, K, M <= kIntRows);
+  std::vector<float> xq = scaled_rows(x, M, K, q8);
   void operator()(int64_t b0, int64_t b1) const {
     const int64_t bstride = groups * (q8 ? kQ8Block : kQ4Block), tile = std::min<int64_t>(max_tile, kTile);
     if (q8)
-      block_rows<true>(w, bstride, b0, b1, groups, xr.xq.data(), M, K, xs, y, N, tile);
-    else if (M <= kIntRows)
-      int_block_rows(w, bstride, b0, b1, groups, xr, M, xs, y, N);
+      block_rows<true>(w, bstride, b0, b1, groups, xq.data(), M, K, xs, y, N, tile);
     else
-      block_rows<false>(w, bstride, b0, b1, groups, xr.xq.data(), M, K, xs, y, N, tile);
+      block_rows<false>(w, bstride, b0, b1, groups, xq.data(), M, K, xs, y, N, tile);
   }
 };
 

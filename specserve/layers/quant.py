@@ -3,11 +3,10 @@ offset per group of input columns (w = code * scale + offset), as GGUF's Q4_0 / 
 do and as ``quantize`` makes from float weights. ``make_kernel`` picks how ``x W^T`` runs (bfloat16
 activations):
 
-``GroupKernel``, specserve's C++ kernel (``csrc/quant_gemm.cpp``, CPUs with AVX-512 BF16 or AVX2), for
-4-bit codes with an offset and 8-bit codes without, in groups of a multiple of 32, scales and offsets in
+``GroupKernel``, specserve's C++ kernel (``csrc/quant_gemm.cpp``, CPUs with AVX-512 BF16), for 4-bit
+codes with an offset and 8-bit codes without, in groups of a multiple of 32, scales and offsets in
 float16 (GGUF's own; ``quantize`` rounds to float16): the weight re-laid out once (``pack_groups``),
-read once per call whatever the row count, each product of a code and an x value exact in float32 (on
-AVX2, 4-bit codes meet x in fixed point per group: exact integer sums of a rounded x).
+read once per call whatever the row count, each product of a code and an x value exact in float32.
 Otherwise ``QuantKernel``, torch's weight-only kernels:
 
 - 4-bit codes (0..15) in groups of 32..256: ``_weight_int4pack_mm_for_cpu``, which computes
