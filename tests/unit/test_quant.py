@@ -116,6 +116,28 @@ def test_group_kernel_matches_exact_product_and_is_row_invariant(kind, shape):
     assert torch.equal(k(x.float()), full.float())  # float32 activations: computed in bfloat16
 
 
+@needs_group_kernel
+def test_group_kernel_keeps_small_values_beside_an_outlier():
+    """LLM activations have channels thousands of times the others (the down projection's inputs of the
+    default model: a group's largest magnitude up to ~20,000 times its median). A group holding such a
+    value keeps its other values as bfloat16 gives them: with the outlier's weights zero, every output is
+    near the exact product of the small values. A kernel that rounds x against its group's largest value
+    (tried on AVX2, docs/quantization.md) loses them and fails here."""
+    N, K = 32, 128
+    rng = np.random.default_rng(8)
+    codes = torch.from_numpy(rng.integers(0, 16, (N, K), dtype=np.uint8))
+    codes[:, 5::32] = 0  # the outlier's column: w = 0 * d + 0
+    qt = QuantTensor(codes, torch.from_numpy(rng.uniform(0.005, 0.02, (N, K // 32))).half().float(),
+                     torch.zeros(N, K // 32), 32, 4, "outlier")
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(8))
+    x[:, 5::32] = 2.0**14 * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0]).unsqueeze(1)
+    x = x.to(torch.bfloat16)
+    k = make_kernel(qt)
+    assert isinstance(k, GroupKernel)
+    for m in (1, 2, 6):
+        _assert_near_exact_product(k(x[:m]), x[:m], qt)
+
+
 def _sums_in_order(x: np.ndarray, pairs_swapped: bool = False) -> np.ndarray:
     """Per row: the float32 sum, group after group, of each group of 32 values added one by one (or
     with each pair of neighbours added the other way round: a wrong order the test must tell apart)."""
