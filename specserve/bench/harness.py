@@ -127,7 +127,7 @@ class BenchContext:
     device: str = "cpu"
     quantization: str | None = None  # resolved: None (dense), "gguf", "int8" or "int4"
     sampling_mode: str = "coupled"  # the specserve rows' ``LLM(sampling_mode=...)``
-    speculation_gate: bool = True  # the specserve rows' ``LLM(speculation_gate=...)``
+    speculation_gate: bool | None = None  # the specserve rows' ``LLM(speculation_gate=...)`` (None: its default)
 
 
 @dataclass
@@ -657,7 +657,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
               interleave: bool = True, device: str | None = "auto",
               quantizations: str | list[str] = "auto", sampling_mode: str = "coupled",
-              speculative_configs: list[str] | dict | None = None, speculation_gate: bool = True) -> list[dict]:
+              speculative_configs: list[str] | dict | None = None, speculation_gate: bool | None = None) -> list[dict]:
     """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
     quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
 
