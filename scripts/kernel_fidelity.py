@@ -20,16 +20,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.bench.categories import category_prompts
-from specserve.bench.harness import INSTRUCTIONS_HELDOUT, load_prompts
+from specserve.bench.harness import INSTRUCTIONS_HELDOUT, common_prefix, load_prompts
 
 PARIS = "What is the capital of France?"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -56,8 +49,9 @@ def main() -> None:
             agree += (lp[0].argmax(-1) == lp[1].argmax(-1)).sum().item()
             kls.append((lp[0].exp() * (lp[0] - lp[1])).sum(-1))
     kl = torch.cat(kls)
-    same = sum(list(o.token_ids) == r for o, r in zip(own, ref_ids))
-    prefix = sum(common_prefix(list(o.token_ids), r) for o, r in zip(own, ref_ids)) / len(prompts)
+    own_ids = [list(o.token_ids) for o in own]
+    same = sum(a == r for a, r in zip(own_ids, ref_ids))
+    prefix = common_prefix(ref_ids, own_ids)
     print(f"{len(prompts)} prompts, {kl.numel()} answer positions of float32's greedy answers (teacher forcing)")
     print(f"argmax agrees with float32: {agree / kl.numel():.4f}; KL(float32 || served): mean {kl.mean():.5f}, "
           f"p99 {kl.quantile(0.99):.4f}, max {kl.max():.3f}")

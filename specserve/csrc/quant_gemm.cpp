@@ -51,6 +51,12 @@ struct GemmCall {
   int64_t N, max_tile;
 };
 
+// brings one group of a packed block (``bytes``: kQ4Block or kQ8Block, from ``g``) towards the core
+inline void prefetch_group(const uint8_t* g, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(g);
+  for (int64_t l = 0; l <= bytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+}
+
 }  // namespace
 #endif
 
@@ -85,10 +91,8 @@ inline void block_tile(const uint8_t* wb, int64_t groups, const at::BFloat16* x,
   for (int r = 0; r < MT; ++r) tot[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = wb + g * (Q8 ? kQ8Block : kQ4Block);
-    if constexpr (MT >= kPrefetchTile) {
-      const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchGroups * (Q8 ? kQ8Block : kQ4Block);
-      for (int l = 0; l <= (Q8 ? kQ8Block : kQ4Block) / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-    }
+    if constexpr (MT >= kPrefetchTile)
+      prefetch_group(b + kPrefetchGroups * (Q8 ? kQ8Block : kQ4Block), Q8 ? kQ8Block : kQ4Block);
     const int32_t* xp[MT];
     for (int r = 0; r < MT; ++r) xp[r] = reinterpret_cast<const int32_t*>(x + r * ldx + g * kGroup);
     __m512 a0[MT], a1[MT];
@@ -214,9 +218,9 @@ namespace {
 
 constexpr int64_t kHalf = 8;  // output rows a pass computes (float32 lanes of a ymm register)
 constexpr int kTile = 4;     // rows of x that share each unpacked chunk (16 ymm registers)
-// Every tile prefetches the group kAheadGroups ahead (into the next block at a block's end): without it a
-// one-row forward waited on the weight stream about half as long as it computed. The same bits either way.
-constexpr int64_t kAheadGroups = 12;
+// Every tile prefetches the group kPrefetchGroups ahead (into the next block at a block's end): without it
+// a one-row forward waited on the weight stream about half as long as it computed. The same bits either way.
+constexpr int64_t kPrefetchGroups = 12;
 
 inline float bf16_in(at::BFloat16 v) {  // as vdpbf16ps reads an input: a subnormal is zero
   const float f = static_cast<float>(v);
@@ -271,8 +275,7 @@ inline void halves_tile(const uint8_t* const* w, int64_t groups, const float* xq
   for (int j = 0; j < NH; ++j)
     for (int r = 0; r < MT; ++r) tot[j][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const char* ahead = reinterpret_cast<const char*>(w[0]) + (g + kAheadGroups) * kBlock;
-    for (int l = 0; l <= kBlock / 64; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    prefetch_group(w[0] + (g + kPrefetchGroups) * kBlock, kBlock);
     const float* xg[MT];
     for (int r = 0; r < MT; ++r) xg[r] = xq + r * ldx + g * kGroup;
     __m256 a0[NH][MT], a1[NH][MT];
