@@ -353,17 +353,23 @@ inline void widen_pairs(const at::BFloat16* p, v16f* out) {
              reinterpret_cast<__m256*>(&out[2 * c + 1])[h]);
 }
 
-// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0), 16 values
+// float32 -> bfloat16 as c10::BFloat16 rounds (to nearest even, denormals kept; NaN -> 0x7fc0), 8 values
+inline __m128i to_bf16(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline __m256 widen8(__m128i b) {  // 8 bfloat16 (bits) -> float32 (exact)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+// 16 values
 inline void store_bf16(at::BFloat16* p, v16f v) {
-  for (int h = 0; h < 2; ++h) {
-    const __m256 f = reinterpret_cast<const __m256*>(&v)[h];
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8 * h),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-  }
+  for (int h = 0; h < 2; ++h)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8 * h), to_bf16(reinterpret_cast<const __m256*>(&v)[h]));
 }
 
 // a query row as the scores read it: per chunk its even and odd elements as float32 (widen_pairs)
@@ -956,14 +962,50 @@ float torch_row_sum(const float* x, int64_t n) {
 
 inline float bf(at::BFloat16 v) { return static_cast<float>(v); }
 
+// The row ops' vectors (norm_row, add_row, widen_row, rotate, silu_mul): float32 lanes of the build's
+// width; each lane computes what the scalar code computes (a product or sum rounded once to bfloat16, as
+// c10 rounds: to_bf16), so the vector and scalar paths give the same bits.
+#if defined(__AVX512BF16__)
+#define SPECSERVE_ROW_VEC 1
+constexpr int64_t kRowLanes = 16;
+typedef __m512 RowVec;
+inline RowVec row_load(const at::BFloat16* p) { return load16f(p); }
+inline void row_store(at::BFloat16* p, RowVec v) { store16(p, to_bf16(v)); }
+inline RowVec row_round(RowVec v) { return widen16(to_bf16(v)); }  // bfloat16(v) as float32
+// libtorch_cpu's, what Vectorized<float>::exp() calls; weak: a torch without it takes torch's ops
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+inline bool row_exp_available() { return Sleef_expf16_u10 != nullptr; }
+inline RowVec row_exp(RowVec x) { return Sleef_expf16_u10(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECSERVE_ROW_VEC 1
+constexpr int64_t kRowLanes = 8;
+typedef __m256 RowVec;
+inline RowVec row_load(const at::BFloat16* p) { return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void row_store(at::BFloat16* p, RowVec v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
+inline RowVec row_round(RowVec v) { return widen8(to_bf16(v)); }
+// the AVX2 build of torch's Vectorized<float>::exp() calls this one (libtorch_cpu's sleef)
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+inline bool row_exp_available() { return Sleef_expf8_u10 != nullptr; }
+inline RowVec row_exp(RowVec x) { return Sleef_expf8_u10(x); }
+#endif
+#if defined(SPECSERVE_ROW_VEC)
+inline RowVec row_load(const float* p) {
+  RowVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void row_store(float* p, RowVec v) { std::memcpy(p, &v, sizeof(v)); }
+inline RowVec row_set(float x) { return RowVec{} + x; }
+#endif
+
 // one row: ``src`` (bfloat16 values as float32) -> normed (bfloat16)
 void norm_row(const float* xf, float* sq, const at::BFloat16* w, at::BFloat16* out, int64_t n, float eps,
               int64_t vec) {
   int64_t k = 0;
-#if defined(__AVX512BF16__)
-  for (; k + 16 <= n; k += 16) {
-    const __m512 v = _mm512_loadu_ps(xf + k);
-    _mm512_storeu_ps(sq + k, _mm512_mul_ps(v, v));
+#if defined(SPECSERVE_ROW_VEC)
+  for (; k + kRowLanes <= n; k += kRowLanes) {
+    const RowVec v = row_load(xf + k);
+    row_store(sq + k, v * v);
   }
 #endif
   for (; k < n; ++k) sq[k] = xf[k] * xf[k];
@@ -971,12 +1013,9 @@ void norm_row(const float* xf, float* sq, const at::BFloat16* w, at::BFloat16* o
   const float mean = sum / static_cast<float>(n);
   const float r = 1.0f / std::sqrt(mean + eps);
   k = 0;
-#if defined(__AVX512BF16__)
-  const __m512 rv = _mm512_set1_ps(r);
-  for (; k + 16 <= n; k += 16) {
-    const __m512 y = widen16(to_bf16(_mm512_mul_ps(_mm512_loadu_ps(xf + k), rv)));
-    store16(out + k, to_bf16(_mm512_mul_ps(load16f(w + k), y)));
-  }
+#if defined(SPECSERVE_ROW_VEC)
+  const RowVec rv = row_set(r);
+  for (; k + kRowLanes <= n; k += kRowLanes) row_store(out + k, row_load(w + k) * row_round(row_load(xf + k) * rv));
 #endif
   for (; k < n; ++k) {
     const float y = bf(at::BFloat16(xf[k] * r));
@@ -987,11 +1026,11 @@ void norm_row(const float* xf, float* sq, const at::BFloat16* w, at::BFloat16* o
 // row i of residual + x, rounded to bfloat16, into out and (as float32) xf
 void add_row(const at::BFloat16* pr, const at::BFloat16* px, at::BFloat16* out, float* xf, int64_t n) {
   int64_t k = 0;
-#if defined(__AVX512BF16__)
-  for (; k + 16 <= n; k += 16) {
-    const __m256i s = to_bf16(_mm512_add_ps(load16f(pr + k), load16f(px + k)));
-    store16(out + k, s);
-    _mm512_storeu_ps(xf + k, widen16(s));
+#if defined(SPECSERVE_ROW_VEC)
+  for (; k + kRowLanes <= n; k += kRowLanes) {
+    const RowVec s = row_round(row_load(pr + k) + row_load(px + k));
+    row_store(out + k, s);  // exact: s is a bfloat16 value
+    row_store(xf + k, s);
   }
 #endif
   for (; k < n; ++k) {
@@ -1004,8 +1043,8 @@ void add_row(const at::BFloat16* pr, const at::BFloat16* px, at::BFloat16* out, 
 // row of bfloat16 -> float32
 void widen_row(const at::BFloat16* p, float* xf, int64_t n) {
   int64_t k = 0;
-#if defined(__AVX512BF16__)
-  for (; k + 16 <= n; k += 16) _mm512_storeu_ps(xf + k, load16f(p + k));
+#if defined(SPECSERVE_ROW_VEC)
+  for (; k + kRowLanes <= n; k += kRowLanes) row_store(xf + k, row_load(p + k));
 #endif
   for (; k < n; ++k) xf[k] = bf(p[k]);
 }
@@ -1084,23 +1123,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, i
 // bfloat16 mul_ / add_ do; cos, sin: [T, D], position t's row at t * cs
 void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, int64_t D, const at::BFloat16* cos,
             const at::BFloat16* sin, int64_t cs) {
-#if defined(__AVX512BF16__)
-  if (D % 32 == 0 && D <= 256) {  // 16 lanes at a time: roll(x, D / 2) is whole vectors, C / 2 along
-    const int64_t C = D / 16;
-    __m512 cv[16], sv[16], xv[16];
+#if defined(SPECSERVE_ROW_VEC)
+  constexpr int64_t kMaxVecs = 256 / kRowLanes;
+  if (D % (2 * kRowLanes) == 0 && D <= 256) {  // a vector of lanes at a time: roll(x, D / 2) is whole vectors
+    const int64_t C = D / kRowLanes;
+    RowVec cv[kMaxVecs], sv[kMaxVecs], xv[kMaxVecs];
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t c = 0; c < C; ++c) {
-        cv[c] = load16f(cos + t * cs + 16 * c);
-        sv[c] = load16f(sin + t * cs + 16 * c);
+        cv[c] = row_load(cos + t * cs + kRowLanes * c);
+        sv[c] = row_load(sin + t * cs + kRowLanes * c);
       }
       for (int64_t hh = 0; hh < heads; ++hh) {
         at::BFloat16* x = qkv + (t * heads_total + hh) * D;
-        for (int64_t c = 0; c < C; ++c) xv[c] = load16f(x + 16 * c);
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 swapped = widen16(to_bf16(_mm512_mul_ps(xv[(c + C / 2) % C], sv[c])));
-          const __m512 scaled = widen16(to_bf16(_mm512_mul_ps(xv[c], cv[c])));
-          store16(x + 16 * c, to_bf16(_mm512_add_ps(scaled, swapped)));
-        }
+        for (int64_t c = 0; c < C; ++c) xv[c] = row_load(x + kRowLanes * c);
+        for (int64_t c = 0; c < C; ++c)
+          row_store(x + kRowLanes * c, row_round(xv[c] * cv[c]) + row_round(xv[(c + C / 2) % C] * sv[c]));
       }
     }
     return;
@@ -1122,12 +1159,6 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
   }
 }
 
-#if defined(__AVX512BF16__)
-// libtorch_cpu's, what Vectorized<float>::exp() calls; weak: a torch without it takes torch's ops
-extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
-
-#endif
-
 // silu(gate) * up for gu [T, 2 n] = (gate | up), bfloat16, as at::silu_ then at::mul compute it: silu in
 // float32, x / (1 + exp(-x)) with torch's vectorised exp, rounded to bfloat16; the product of the two
 // bfloat16 values (exact in float32) rounded once. n must be a multiple of 16 (the group kernel's inputs
@@ -1136,19 +1167,18 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) == 2 * n && gu.scalar_type() == at::kBFloat16,
               "silu_mul: gu must be [T, 2 n] bfloat16");
   const int64_t T = gu.size(0);
-#if defined(__AVX512BF16__)
-  if (Sleef_expf16_u10 != nullptr && n % 16 == 0 && gu.is_contiguous()) {
+#if defined(SPECSERVE_ROW_VEC)
+  if (row_exp_available() && n % kRowLanes == 0 && gu.is_contiguous()) {
     auto m = at::empty({T, n}, gu.options());
     const auto* pg = gu.data_ptr<at::BFloat16>();
     auto* pm = m.data_ptr<at::BFloat16>();
-    const __m512 one = _mm512_set1_ps(1.f);
+    const RowVec one = row_set(1.f);
     auto rows = [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t j = 0; j < n; j += 16) {
-          const __m512 x = load16f(pg + t * 2 * n + j);
-          const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
-          const __m256i s = to_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
-          store16(pm + t * n + j, to_bf16(_mm512_mul_ps(widen16(s), load16f(pg + t * 2 * n + n + j))));
+        for (int64_t j = 0; j < n; j += kRowLanes) {
+          const RowVec x = row_load(pg + t * 2 * n + j);
+          const RowVec silu = row_round(x / (one + row_exp(RowVec{} - x)));
+          row_store(pm + t * n + j, silu * row_load(pg + t * 2 * n + n + j));
         }
     };
     if (T >= 4)
