@@ -1161,8 +1161,9 @@ void rotate(at::BFloat16* qkv, int64_t T, int64_t heads_total, int64_t heads, in
 
 // silu(gate) * up for gu [T, 2 n] = (gate | up), bfloat16, as at::silu_ then at::mul compute it: silu in
 // float32, x / (1 + exp(-x)) with torch's vectorised exp, rounded to bfloat16; the product of the two
-// bfloat16 values (exact in float32) rounded once. n must be a multiple of 16 (the group kernel's inputs
-// are multiples of 32); rows split over the intra-op threads from 4 rows.
+// bfloat16 values (exact in float32) rounded once. The vector path (AVX-512 or AVX2, libtorch's exp found)
+// takes n a multiple of its lanes (the group kernel's inputs are multiples of 32; torch's ops otherwise);
+// rows split over the intra-op threads from 4 rows.
 at::Tensor silu_mul(const at::Tensor& gu, int64_t n) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) == 2 * n && gu.scalar_type() == at::kBFloat16,
               "silu_mul: gu must be [T, 2 n] bfloat16");
