@@ -480,6 +480,11 @@ PRESETS: dict[str, dict | None] = {
     "ngram": {"method": "ngram"},
     "ngram-chain": {"method": "ngram", "ngram_verify": "full", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 1},
+    # the defaults with the datastore shipped for the target (its own answers to training prompts) as one more
+    # source of continuations
+    "ngram-datastore": {"method": "ngram", "ngram_datastore": "auto"},
+    "medusa-datastore": {"method": "medusa", "ngram_datastore": "auto"},
+    "dspark-datastore": {"method": "dspark", "ngram_datastore": "auto"},
     # the heads shipped for the default model: the default; a chain (argmax of each head, all verified:
     # Medusa-1), a tree sized at start-up, chains cut per step, a tree chosen per step (all by the cost
     # model), and that last one with n-gram branches (= the default, spelled out)

@@ -12,7 +12,8 @@ one key away, and a key the user gives always wins:
   drafts, every one verified; ``"dspark_verify": "auto"`` / ``"threshold"`` or
   ``"draft_sample_method": "probabilistic"`` ask for chain modes too, so the tree default steps aside
   for them;
-* ``"ngram_branch": 0``: no n-gram branches (any branch key replaces the default branches).
+* ``"ngram_branch": 0``: no n-gram branches (``ngram_branch``, ``ngram_candidates`` or ``ngram_pool``
+  replaces the default branches; ``ngram_datastore`` alone adds a datastore to them).
 
 N-gram branches ride on the drafter's tree: with a chain they would be verified whole every step,
 so they are a default only where the tree is.
@@ -25,7 +26,7 @@ defaults. ``target`` has no defaults beyond its options' own.
 
 from __future__ import annotations
 
-from specserve.spec_decode.ngram.branches import BRANCH_KEYS, POOLED_BRANCHES
+from specserve.spec_decode.ngram.branches import POOLED_BRANCHES
 
 # method -> (the tree key, its default value, keys whose non-default values ask for a chain)
 TREES: dict[str, tuple[str, object, dict]] = {
@@ -51,7 +52,7 @@ def with_defaults(method: str, options: dict) -> dict:
     wants_chain = any(k in options and options[k] != v for k, v in chain_keys.items())
     if tree_key not in options and not wants_chain:
         out[tree_key] = tree_default
-    if out.get(tree_key) is not None and not any(k in options for k in BRANCH_KEYS):
+    if out.get(tree_key) is not None and not any(k in options for k in POOLED_BRANCHES):
         out.update(POOLED_BRANCHES)
     return out
 

@@ -8,6 +8,8 @@ from specserve.spec_decode.options import option
 
 PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1  # the n-gram lengths matched by default (longest first)
 VERIFY_MODES = ("full", "auto")
+DATASTORE_HELP = ("also continue phrases of a datastore of answers (ngram.datastore): 'auto' (the one shipped for the "
+                  "target, if any), a distillation store directory, or None")
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class NgramOptions:
                                "as many as the cost model finds worth", choices=VERIFY_MODES)
     ngram_candidates: int = option(1, "continuations drafted per step (more than 1: a tree)", lo=1, hi=8)
     ngram_pool: bool = option(False, "also continue phrases of earlier requests, not only the sequence's own")
+    ngram_datastore: str | None = option(None, DATASTORE_HELP, expect="'auto', a path or None")
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -33,7 +36,9 @@ class NgramBranchOptions:
     ngram_branch: int = option(0, "tokens per n-gram branch (0: no branches)", lo=0, hi=32)
     ngram_candidates: int = option(1, "n-gram branches per step (distinct continuations)", lo=1, hi=8)
     ngram_pool: bool = option(False, "also continue phrases of earlier requests, not only the sequence's own")
+    ngram_datastore: str | None = option(None, DATASTORE_HELP, expect="'auto', a path or None")
 
     def __post_init__(self) -> None:
-        if not self.ngram_branch and (self.ngram_candidates != 1 or self.ngram_pool):
-            raise ValueError("ngram_candidates and ngram_pool need ngram_branch (tokens per branch) > 0")
+        if not self.ngram_branch and (self.ngram_candidates != 1 or self.ngram_pool or self.ngram_datastore):
+            raise ValueError("ngram_candidates, ngram_pool and ngram_datastore need ngram_branch (tokens per "
+                             "branch) > 0")

@@ -29,9 +29,10 @@ class NgramProposer(ModelDrafter):
         self.num_speculative_tokens = opts.num_speculative_tokens
         self.verify_mode = opts.ngram_verify
         self.source = NgramSource(opts.num_speculative_tokens, opts.ngram_candidates, opts.ngram_pool,
-                                  opts.prompt_lookup_max, opts.prompt_lookup_min)
+                                  opts.prompt_lookup_max, opts.prompt_lookup_min, opts.ngram_datastore)
 
     def load_model(self, target) -> None:
+        self.source.load_datastore(target)
         if self.verify_mode == "auto":
             max_seqs = getattr(target, "max_num_seqs", 1)
             _, sizes = tree_profile_sizes(max_seqs, self.source.limit * self.num_speculative_tokens)
@@ -52,6 +53,6 @@ class NgramProposer(ModelDrafter):
             empty = Proposal([[] for _ in seqs], trees=list(none), own_nodes=list(none))
             return self.add_branch_only_trees(seqs, empty, [self.source.drafts(m) for m in matches], set())
         if self.source.limit == 1:
-            return Proposal([m[0][0] if m else [] for m in matches])
-        grafted = [self.with_branches(None, s, [toks for toks, _ in m])[0] for s, m in zip(seqs, matches)]
+            return Proposal([m[0].tokens if m else [] for m in matches])
+        grafted = [self.with_branches(None, s, [o.tokens for o in m])[0] for s, m in zip(seqs, matches)]
         return Proposal([[] for _ in seqs], trees=grafted)  # every continuation verified whole: a tree
