@@ -55,9 +55,16 @@ def test_continuations_read_at_most_max_rows_occurrences():
     n, found = ds.continuations([1, 2], 1, 2)
     assert n == 2 and sum(v[0][0] for _, v in found) == 8 and found[0][0] == [7]
     with pytest.raises(ValueError, match="n_max"):
-        NgramDatastore(seqs, n_max=9)
+        NgramDatastore(seqs, n_min=3, n_max=2)
     with pytest.raises(ValueError, match="token ids must lie"):
-        NgramDatastore([[1, 70000]])
+        NgramDatastore([[1, -2]])
+    assert NgramDatastore(seqs, n_max=12).n_max == 8  # two words of four 16-bit tokens
+    # a vocabulary past 16 bits: 17-bit tokens, three a word, matches of up to 6
+    big = NgramDatastore([[70_000, 1, 2, 3, 4, 5, 6, 70_001], [9, 1, 2, 3, 4, 5, 6, 8]], n_min=1)
+    assert (big.bits, big.n_max) == (17, 6)
+    assert big.continuations([70_000, 1, 2, 3, 4, 5, 6], 2, 2) == (6, [([70_001], [(1, 2)]), ([8], [(1, 2)])])
+    assert big.continuations([0, 70_000], 2, 1) == (1, [([1, 2], [(1, 1), (1, 1)])])
+    assert big.continuations([1, 2, 3, 4, 5, 6, 70_002], 2, 1) == (0, [])  # an id it does not hold
 
 
 def _write_store(path, answers: dict[tuple, list[int]]) -> None:

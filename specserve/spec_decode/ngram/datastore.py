@@ -6,9 +6,9 @@ occurrences agree on it), which ``branches.NgramSource`` turns into acceptance e
 model answers different questions with the same phrases, so its own answers to other prompts predict
 its next tokens where the sequence itself has nothing to copy.
 
-``NgramDatastore`` indexes token sequences in numpy: every position's next ``n_max`` tokens packed into
-two 64-bit words (``TOKEN_BITS`` a token), positions sorted by them, so that the occurrences of any
-n-gram up to ``n_max`` tokens are one contiguous range found by binary search. ``load`` reads a
+``NgramDatastore`` indexes token sequences in numpy: every position's next tokens packed into two
+64-bit words (16 bits a token, or as many as the largest id needs), positions sorted by them, so that
+the occurrences of any n-gram up to ``n_max`` tokens are one contiguous range found by binary search. ``load`` reads a
 distillation store directory (``train/store.py``: every record's response, after the last tokens of
 its prompt) or a description naming one and the records to leave out; ``open_datastore`` resolves an
 ``ngram_datastore`` value (``"auto"``: the description shipped for the target, ``DATASTORE_DIR``,
@@ -26,9 +26,9 @@ import numpy as np
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # specserve/
 DATASTORE_DIR = Path(__file__).with_name("datastores")
-TOKEN_BITS = 16  # per packed token: ids below 2**16 - 1 (0 marks "past the sequence's end")
-PER_WORD = 64 // TOKEN_BITS
+MIN_BITS = 16  # bits a packed token takes at least (the code is id + 1; 0 marks "past the sequence's end")
 PROMPT_TAIL = 3  # prompt tokens kept before each response (the chat template's assistant header)
+MAX_READ = 64  # continuation tokens read per occurrence at most
 
 
 class DatastoreError(ValueError):
@@ -36,35 +36,40 @@ class DatastoreError(ValueError):
 
 
 class NgramDatastore:
-    """Token ``sequences`` indexed for ``continuations``. ``n_max`` <= 2 * PER_WORD; ``max_rows``: the
+    """Token ``sequences`` indexed for ``continuations``. ``n_max``: cut to the tokens two words hold
+    (8 of up to 16 bits, 6 of up to 21 bits); ``max_rows``: the
     matched occurrences read per lookup at most (evenly spaced over all of them); ``meta``: what the
-    sequences are (written to and read from files)."""
+    sequences are (a description's fields)."""
 
     def __init__(self, sequences, n_min: int = 2, n_max: int = 8, max_rows: int = 32, meta: dict | None = None):
-        if not 1 <= n_min <= n_max <= 2 * PER_WORD or max_rows < 1:
-            raise ValueError(f"need 1 <= n_min <= n_max <= {2 * PER_WORD} and max_rows >= 1, got {n_min}, {n_max}, "
-                             f"{max_rows}")
-        self.n_min, self.n_max, self.max_rows = int(n_min), int(n_max), int(max_rows)
-        self.meta = dict(meta or {})
         seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
         seqs = [s for s in seqs if s.size >= 2]
         top = max((int(s.max()) for s in seqs), default=0)
-        if any(int(s.min()) < 0 for s in seqs) or top >= (1 << TOKEN_BITS) - 1:
-            raise ValueError(f"datastore token ids must lie in 0..{(1 << TOKEN_BITS) - 2}")
+        if any(int(s.min()) < 0 for s in seqs) or top >= 1 << 31:
+            raise ValueError("datastore token ids must lie in 0..2**31 - 1")
+        self.bits = max(MIN_BITS, (top + 1).bit_length())
+        self.per_word = 64 // self.bits
+        n_max = min(n_max, 2 * self.per_word)
+        if not 1 <= n_min <= n_max or max_rows < 1:
+            raise ValueError(f"need 1 <= n_min <= n_max (at most {2 * self.per_word} here) and max_rows >= 1, got "
+                             f"{n_min}, {n_max}, {max_rows}")
+        self.n_min, self.n_max, self.max_rows = int(n_min), int(n_max), int(max_rows)
+        self.meta = dict(meta or {})
         self.num_sequences, self.max_id = len(seqs), top
         self.num_tokens = int(sum(s.size for s in seqs))
         pad = np.full(1, -1, dtype=np.int64)
-        # the tokens, each sequence followed by -1, and 2 * PER_WORD more -1 at the end (reads past it stop there)
-        flat = np.concatenate([x for s in seqs for x in (s, pad)] + [np.full(2 * PER_WORD + 64, -1, dtype=np.int64)])
+        # the tokens, each sequence followed by -1, and enough -1 at the end for any read past the last one
+        tail = 2 * self.per_word + MAX_READ
+        flat = np.concatenate([x for s in seqs for x in (s, pad)] + [np.full(tail, -1, dtype=np.int64)])
         self.tokens = flat.astype(np.int32)
-        starts = np.nonzero(flat[: flat.size - 2 * PER_WORD - 64] >= 0)[0]
+        starts = np.nonzero(flat[: flat.size - tail] >= 0)[0]
         words = [np.zeros(starts.size, dtype=np.uint64) for _ in range(2)]
         alive = np.ones(starts.size, dtype=bool)
-        for j in range(2 * PER_WORD):  # position p's token j, packed; 0 from the sequence's end on
+        for j in range(2 * self.per_word):  # position p's token j, packed; 0 from the sequence's end on
             code = (flat[starts + j] + 1) * alive
             alive &= code > 0
-            w = words[j // PER_WORD]
-            w <<= np.uint64(TOKEN_BITS)
+            w = words[j // self.per_word]
+            w <<= np.uint64(self.bits)
             w |= code.astype(np.uint64)
         order = np.lexsort((words[1], words[0]))
         self._hi, self._lo, self._pos = words[0][order], words[1][order], starts[order].astype(np.int64)
@@ -75,22 +80,21 @@ class NgramDatastore:
     # ---- lookup -------------------------------------------------------------------------------------
     def _range(self, codes: list[int]) -> tuple[int, int]:
         """The sorted positions whose next len(codes) tokens are ``codes`` (ids + 1): [lo, hi)."""
-        n = len(codes)
-        hi_codes, lo_codes = codes[:PER_WORD], codes[PER_WORD:]
+        n, per, bits = len(codes), self.per_word, self.bits
         word = 0
-        for c in hi_codes:
-            word = (word << TOKEN_BITS) | c
-        if n <= PER_WORD:
-            shift = TOKEN_BITS * (PER_WORD - n)
+        for c in codes[:per]:
+            word = (word << bits) | c
+        if n <= per:
+            shift = bits * (per - n)
             a, b = np.searchsorted(self._hi, np.array([word << shift, (word + 1) << shift], dtype=np.uint64))
             return int(a), int(b)
         a, b = np.searchsorted(self._hi, np.array([word, word + 1], dtype=np.uint64))
         if a == b:
             return 0, 0
         low = 0
-        for c in lo_codes:
-            low = (low << TOKEN_BITS) | c
-        shift = TOKEN_BITS * (2 * PER_WORD - n)
+        for c in codes[per:]:
+            low = (low << bits) | c
+        shift = bits * (2 * per - n)
         c, d = np.searchsorted(self._lo[a:b], np.array([low << shift, (low + 1) << shift], dtype=np.uint64))
         return int(a + c), int(a + d)
 
@@ -99,13 +103,15 @@ class NgramDatastore:
         ``n_min``..``n_max`` tokens that occurs: (n, up to ``limit`` continuations of up to ``k`` tokens).
         One continuation per distinct first token, the most voted first; each follows, token by token,
         the most frequent next token among the occurrences that agree so far, ending where fewer than
-        half of them agree or a sequence ends. ``votes[d]`` = (occurrences with the continuation's first d + 1
-        tokens, occurrences with its first d). (0, []) when no suffix occurs."""
+        half of them agree or a sequence ends (``k`` is capped at ``MAX_READ``). ``votes[d]`` =
+        (occurrences with the continuation's first d + 1 tokens, occurrences with its first d). (0, [])
+        when no suffix occurs with a token after it."""
+        k = min(k, MAX_READ)
         if k <= 0 or limit <= 0:
             return 0, []
         for n in range(min(self.n_max, len(ids)), self.n_min - 1, -1):
             codes = [int(t) + 1 for t in ids[len(ids) - n :]]
-            if min(codes) <= 0 or max(codes) >= 1 << TOKEN_BITS:
+            if min(codes) <= 0 or max(codes) > self.max_id + 1:
                 continue  # an id the datastore cannot hold occurs nowhere in it
             a, b = self._range(codes)
             if b <= a:
