@@ -166,7 +166,8 @@ def test_greedy_identical_to_plain_and_the_datastore_adds_accepted_tokens(tiny_l
         else:
             _verify_all(llm)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
-        assert (llm.engine.proposer.source.datastore is not None) == (store is not None)
+        source = llm.engine.proposer.source
+        assert (source.datastore is not None) == (source.stored_offers > 10) == (store is not None)
         taus[store] = llm.get_metrics()["mean_acceptance_length"]
     assert taus[str(tmp_path / "s")] > taus[None] + 1.0, taus
     # a datastore of other answers changes what is drafted, never the output
@@ -193,5 +194,6 @@ def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, kind):
     a = sample_prefixes(plain, 2000, 0, k=5)
     b = sample_prefixes(llm, 2000, 100_000, k=5)
     m = llm.get_metrics()
-    assert m["num_draft_tokens"] > 500 and m["num_accepted_tokens"] > 100, m  # the datastore played
+    assert m["num_draft_tokens"] > 500 and m["num_accepted_tokens"] > 100, m
+    assert llm.engine.proposer.source.stored_offers > 1000  # the datastore played
     assert_same_distribution(a, b)

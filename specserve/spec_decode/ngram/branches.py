@@ -101,8 +101,8 @@ class NgramSource:
     indexed as it grows, the ``pool`` of earlier requests' tokens (or None), the ``datastore``
     (``datastore.NgramDatastore`` or None, set by ``load_model``) and the ``acceptance`` estimates that
     learn from what each step emitted. ``matches`` offers up to ``limit`` continuations of up to
-    ``max_len`` tokens from the sequence and the pool, and up to ``limit`` more from the datastore;
-    ``observe`` hears what the step that offered them emitted."""
+    ``max_len`` tokens from the sequence and the pool, and up to ``limit`` more from the datastore
+    (counted in ``stored_offers``); ``observe`` hears what the step that offered them emitted."""
 
     def __init__(self, max_len: int, limit: int, pool: bool, n_max: int = PROMPT_LOOKUP_MAX,
                  n_min: int = PROMPT_LOOKUP_MIN, datastore: str | None = None):
@@ -110,6 +110,7 @@ class NgramSource:
         self.acceptance = BranchAcceptance(self.max_len)
         self.pool = NgramPool(n_max, n_min) if pool else None
         self.datastore_option, self.datastore = datastore, None
+        self.stored_offers = 0
         self._index: dict[int, NgramIndex] = {}  # seq_id -> its n-grams, kept up to date step by step
         self._offered: dict[int, list[Offer]] = {}  # seq_id -> what its last step offered
 
@@ -130,8 +131,10 @@ class NgramSource:
             out = [Offer(toks, (key, n, r)) for r, (toks, n) in enumerate(found)]
             if self.datastore is not None:
                 n, stored = self.datastore.continuations(index.ids, k, self.limit)
-                out += [Offer(toks, (key, *store_key(n, votes)), [c / (t + 1) for c, t in votes])
-                        for toks, votes in stored if not any(o.tokens[: len(toks)] == toks for o in out)]
+                new = [Offer(toks, (key, *store_key(n, votes)), [c / (t + 1) for c, t in votes])
+                       for toks, votes in stored if not any(o.tokens[: len(toks)] == toks for o in out)]
+                self.stored_offers += len(new)
+                out += new
         self._offered[seq.seq_id] = out
         return out
 
