@@ -480,11 +480,6 @@ PRESETS: dict[str, dict | None] = {
     "ngram": {"method": "ngram"},
     "ngram-chain": {"method": "ngram", "ngram_verify": "full", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 1},
-    # the defaults with the datastore shipped for the target (its own answers to training prompts) as one more
-    # source of continuations
-    "ngram-datastore": {"method": "ngram", "ngram_datastore": "auto"},
-    "medusa-datastore": {"method": "medusa", "ngram_datastore": "auto"},
-    "dspark-datastore": {"method": "dspark", "ngram_datastore": "auto"},
     # the heads shipped for the default model: the default; a chain (argmax of each head, all verified:
     # Medusa-1), a tree sized at start-up, chains cut per step, a tree chosen per step (all by the cost
     # model), and that last one with n-gram branches (= the default, spelled out)
@@ -518,6 +513,11 @@ PRESETS: dict[str, dict | None] = {
     "dspark-draft-int4": {"method": "dspark", "draft_quantization": "int4"},
     "dflash-draft-dense": {"method": "dflash", "draft_quantization": "none"},
     "dflash-draft-int4": {"method": "dflash", "draft_quantization": "int4"},
+    # the defaults with the datastore shipped for the target (its own answers to training prompts) as one more
+    # source of continuations
+    "ngram-datastore": {"method": "ngram", "ngram_datastore": "auto"},
+    "medusa-datastore": {"method": "medusa", "ngram_datastore": "auto"},
+    "dspark-datastore": {"method": "dspark", "ngram_datastore": "auto"},
     # the ceiling: the target as its own drafter (a copy proposing its greedy chain; greedy: every draft
     # accepted); the oracle n-gram is a row of PEERS (computed from the none row's outputs)
     "target": {"method": "target"},
