@@ -66,6 +66,11 @@ def _key(prompt_ids: Sequence[int], seed: int) -> bytes:
     return np.asarray(prompt_ids, dtype=np.int64).tobytes() + seed.to_bytes(8, "little", signed=True)
 
 
+def record_prompt(key: bytes) -> np.ndarray:
+    """The prompt ids of a record's key (``_key``'s first part)."""
+    return np.frombuffer(key[:-8], dtype=np.int64)
+
+
 class DistillStore:
     """One store directory (``path``); created on the first ``distill`` that writes to it."""
 

@@ -4,7 +4,6 @@ datastore holds."""
 
 import json
 
-import numpy as np
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -19,7 +18,7 @@ from specserve.tokenizer import Tokenizer
 from specserve.train.categories import read_heldout_file
 from specserve.train.data import prompt_token_ids
 from specserve.train.instructions import load_instruction_prompts
-from specserve.train.store import DistillStore, _key, target_fingerprint
+from specserve.train.store import DistillStore, _key, record_prompt, target_fingerprint
 
 from test_ngram_branch import POOLED, REPETITIVE, _drafter, _verify_all
 from test_spec_engine import PROMPT, assert_same_distribution, sample_prefixes
@@ -142,7 +141,7 @@ def test_the_shipped_datastore_holds_no_held_out_answer():
     assert {record_digest(k) for k in found} <= set(desc["exclude"])  # ... and none in the datastore
     ds = open_datastore("auto", model_dir, 49152)
     assert len(ds) == len(recs) - len(desc["exclude"]) > 10_000
-    assert ds.num_tokens == sum(min(len(np.frombuffer(k[:-8], dtype=np.int64)), PROMPT_TAIL) + len(v)
+    assert ds.num_tokens == sum(min(len(record_prompt(k)), PROMPT_TAIL) + len(v)
                                 for k, v in recs.items() if record_digest(k) not in desc["exclude"])
 
 

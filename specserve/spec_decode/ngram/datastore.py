@@ -38,10 +38,9 @@ class DatastoreError(ValueError):
 class NgramDatastore:
     """Token ``sequences`` indexed for ``continuations``. ``n_max``: cut to the tokens two words hold
     (8 of up to 16 bits, 6 of up to 21 bits); ``max_rows``: the
-    matched occurrences read per lookup at most (evenly spaced over all of them); ``meta``: what the
-    sequences are (a description's fields)."""
+    matched occurrences read per lookup at most (evenly spaced over all of them)."""
 
-    def __init__(self, sequences, n_min: int = 2, n_max: int = 8, max_rows: int = 32, meta: dict | None = None):
+    def __init__(self, sequences, n_min: int = 2, n_max: int = 8, max_rows: int = 32):
         seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
         seqs = [s for s in seqs if s.size >= 2]
         top = max((int(s.max()) for s in seqs), default=0)
@@ -54,7 +53,6 @@ class NgramDatastore:
             raise ValueError(f"need 1 <= n_min <= n_max (at most {2 * self.per_word} here) and max_rows >= 1, got "
                              f"{n_min}, {n_max}, {max_rows}")
         self.n_min, self.n_max, self.max_rows = int(n_min), int(n_max), int(max_rows)
-        self.meta = dict(meta or {})
         self.num_sequences, self.max_id = len(seqs), top
         self.num_tokens = int(sum(s.size for s in seqs))
         pad = np.full(1, -1, dtype=np.int64)
@@ -133,7 +131,7 @@ class NgramDatastore:
         ``record_digest`` of their keys: the shipped ones leave out the bench's held-out prompts)."""
         path = Path(path)
         if path.is_dir():
-            return cls(store_sequences(path), meta={"store": path.name}, **kw)
+            return cls(store_sequences(path), **kw)
         if not path.is_file():
             raise DatastoreError(f"ngram_datastore: {path}: no such file or directory")
         try:
@@ -142,7 +140,7 @@ class NgramDatastore:
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise DatastoreError(f"ngram_datastore: {path}: not a datastore description or store directory "
                                  f"({type(e).__name__}: {e})") from None
-        return cls(store_sequences(store, exclude), meta=meta, **kw)
+        return cls(store_sequences(store, exclude), **kw)
 
 
 def _vote(rows: list[list[int]], limit: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
@@ -175,16 +173,16 @@ def store_sequences(path, exclude: set[str] = frozenset()) -> list[np.ndarray]:
     ``exclude`` left out: each response after the last ``PROMPT_TAIL`` tokens of its prompt (so that an
     answer's first tokens follow the assistant header)."""
     from specserve.train.data import DataError
-    from specserve.train.store import DistillStore
+    from specserve.train.store import DistillStore, record_prompt
 
     store = DistillStore(path)
     try:
         if store.settings() is None:
-            raise DataError(f"{path}: not a distillation store (no store.json)")
+            raise DatastoreError(f"ngram_datastore: {path}: not a distillation store (no store.json)")
         recs = store.records()
     except DataError as e:
         raise DatastoreError(f"ngram_datastore: {e}") from None
-    return [np.concatenate([np.frombuffer(key[:-8], dtype=np.int64)[-PROMPT_TAIL:], resp])
+    return [np.concatenate([record_prompt(key)[-PROMPT_TAIL:], resp])
             for key, resp in recs.items() if record_digest(key) not in exclude]
 
 
