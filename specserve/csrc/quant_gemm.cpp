@@ -266,7 +266,8 @@ inline __m128i to_bf16x8(__m256 v) {  // round to nearest even (NaN stays NaN), 
 
 // NH sets of 8 output rows (w[j]: a block's start + 16 bytes for its second half; y[j]: their first
 // output column) over all groups, for MT rows of x (xq: scaled_rows). Each lane's sums form two chains
-// of 16 dependent FMAs a group: a pass of one row keeps two halves (4 chains) in flight, of two rows 8.
+// of 16 dependent FMAs a group: a pass of one row keeps two halves (4 chains) in flight, of two rows 8, of
+// three rows 12.
 // Not inlined: each (rows, halves) variant is compiled on its own (inlined into one function with the
 // others, the compiler's choices for one tile size slowed another by 5-20%).
 template <bool Q8, int MT, int NH>
@@ -284,9 +285,10 @@ __attribute__((noinline)) void halves_tile(const uint8_t* const* w, int64_t grou
     for (int j = 0; j < NH; ++j)
       for (int r = 0; r < MT; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
     if constexpr (!Q8) {
-      // one code vector converted at a time and taken by every row and half before the next, so that two
-      // rows of two halves (8 accumulators, 8 chains of FMAs) fit the 16 registers with the totals; each
-      // accumulator gets the same products in the same order as before (odd input, then even)
+      // one code vector of each half converted at a time, then each row's x broadcast once for both halves,
+      // so that two or three rows of two halves (8 or 12 accumulators, as many chains of FMAs) fit the 16
+      // registers (three rows spill the totals, touched once a group); each accumulator gets the same
+      // products in the same order as before (odd input, then even)
       constexpr int kMask[4] = {0x0F00, 0x000F, 0xF000, 0x00F0};
       constexpr int kOff[4] = {1, 0, 17, 16};
 #pragma GCC unroll 8
@@ -296,14 +298,18 @@ __attribute__((noinline)) void halves_tile(const uint8_t* const* w, int64_t grou
           v[j] = _mm256_cvtepu16_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + g * kBlock + 32 * c)));
 #pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q)
-          for (int j = 0; j < NH; ++j) {
-            const __m256 code = _mm256_cvtepi32_ps(_mm256_and_si256(v[j], _mm256_set1_epi32(kMask[q])));
-            for (int r = 0; r < MT; ++r) {
+        for (int q = 0; q < 4; ++q) {
+          __m256 code[NH];
+          for (int j = 0; j < NH; ++j)
+            code[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v[j], _mm256_set1_epi32(kMask[q])));
+          for (int r = 0; r < MT; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(xg[r] + kOff[q] + 2 * c);
+            for (int j = 0; j < NH; ++j) {
               __m256& acc = q < 2 ? a0[j][r] : a1[j][r];
-              acc = _mm256_fmadd_ps(code, _mm256_broadcast_ss(xg[r] + kOff[q] + 2 * c), acc);
+              acc = _mm256_fmadd_ps(code[j], xb, acc);
             }
           }
+        }
       }
       for (int j = 0; j < NH; ++j) {
         const uint8_t* b = w[j] + g * kBlock;
@@ -343,9 +349,9 @@ __attribute__((noinline)) void halves_tile(const uint8_t* const* w, int64_t grou
 template <bool Q8, int MT>
 inline void tile_blocks(const uint8_t* pw, int64_t bstride, int64_t nb0, int64_t nb1, int64_t groups,
                         const float* xq, int64_t K, const float* xs, at::BFloat16* y, int64_t N) {
-  // two halves a pass for one or two rows: two rows of one half would keep only 4 chains of dependent FMAs
-  // in flight; from three rows one half has 6 or more, and two would not fit the registers
-  constexpr int NH = MT <= 2 ? 2 : 1;
+  // two halves a pass for one to three rows: two rows of one half would keep only 4 chains of dependent FMAs
+  // in flight, three rows 6; from four rows one half has 8, and two would not fit the registers
+  constexpr int NH = MT <= 3 ? 2 : 1;
   const uint8_t* w[4];
   at::BFloat16* yo[4];
   const int64_t nh = 2 * (nb1 - nb0);
