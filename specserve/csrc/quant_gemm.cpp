@@ -287,8 +287,8 @@ __attribute__((noinline)) void halves_tile(const uint8_t* const* w, int64_t grou
     if constexpr (!Q8) {
       // one code vector of each half converted at a time, then each row's x broadcast once for both halves,
       // so that two or three rows of two halves (8 or 12 accumulators, as many chains of FMAs) fit the 16
-      // registers (three rows spill the totals, touched once a group); each accumulator gets the same
-      // products in the same order as before (odd input, then even)
+      // registers (three rows spill the totals, touched once a group); each accumulator adds its products
+      // in vdpbf16ps' order whatever the tile (per chunk: the odd input, then the even)
       constexpr int kMask[4] = {0x0F00, 0x000F, 0xF000, 0x00F0};
       constexpr int kOff[4] = {1, 0, 17, 16};
 #pragma GCC unroll 8
