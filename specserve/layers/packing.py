@@ -7,17 +7,20 @@ import torch
 
 from specserve.layers.attention import Attention
 from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing_available
-from specserve.layers.quant import rows_invariant
+from specserve.layers.quant import GroupKernel, gather_weights, rows_invariant
 
 
 def pack_linears(module: torch.nn.Module) -> None:
     """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
     costs little more than one token's (call after the weights are loaded). A quantized weight gets its
     kernel; a dense one is packed only where oneDNN packs its dtype on this CPU (bfloat16 needs AVX-512),
-    else it stays as it is."""
+    else it stays as it is. The group kernels' weights then share one buffer on 2 MB pages
+    (``quant.gather_weights``)."""
     for m in module.modules():
         if isinstance(m, PackedGEMM) and (m.quant is not None or mkldnn_packing_available(m.weight.dtype)):
             m.pack()
+    gather_weights([m.qkernel for m in module.modules()
+                    if isinstance(m, PackedGEMM) and isinstance(m.qkernel, GroupKernel)])
 
 
 ROW_BLOCK = 32  # oneDNN's bf16 GEMMs give each row the same bits for any row count from 2 up to this

@@ -279,6 +279,53 @@ class GroupKernel(_Kernel):
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
         return self.ops.group_gemm(x2, self.weight, self.bits, GROUP_GRAIN, GROUP_TILE)
 
+    gathered = False  # its weight lies in a buffer of ``gather_weights``
+
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64, aarch64 with 4 KB base pages)
+_MADV_HUGEPAGE = 14  # Linux's madvise advice: back this range with huge pages where it can
+
+
+def _advise_huge_pages(addr: int, length: int) -> bool:
+    """Linux ``madvise(addr, length, MADV_HUGEPAGE)``; False where there is no such call or it fails
+    (another OS, transparent huge pages compiled out)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def gather_weights(kernels: list["GroupKernel"]) -> int:
+    """Move the packed weights of ``kernels`` (those not moved yet) into one buffer that the kernel is
+    asked to back with 2 MB pages (``madvise(MADV_HUGEPAGE)``; honoured where transparent huge pages are
+    ``always`` or ``madvise``, the usual settings). A decoding step streams every weight once: on 4 KB
+    pages it pays a TLB walk, and the hardware prefetcher a restart, every 4 KB. The bytes are the same,
+    so is every result. Where the advice cannot be given the weights stay where they are. Returns the
+    bytes moved."""
+    ks = [k for k in dict.fromkeys(kernels) if not k.gathered]  # each kernel once
+    sizes = [-(-k.weight.numel() // 64) * 64 for k in ks]  # each weight 64-byte aligned
+    total = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
+    if total < 2 * HUGE_PAGE:
+        return 0
+    buf = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE_PAGE
+    if not _advise_huge_pages(buf.data_ptr() + start, total):
+        return 0
+    at = start
+    for k, n in zip(ks, sizes):
+        w = buf[at : at + k.weight.numel()].view(k.weight.shape)
+        w.copy_(k.weight)  # the first touch of these pages: they come as huge pages
+        k.weight, k.gathered = w, True
+        at += n
+    return at - start
+
 
 def make_kernel(qt: QuantTensor) -> _Kernel:
     """``GroupKernel`` where it takes ``qt`` and the C++ ops are built with it, else ``QuantKernel``."""

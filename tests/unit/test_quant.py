@@ -337,6 +337,54 @@ def test_pack_linears_leaves_dense_weights_oneDNN_cannot_pack(monkeypatch):
     assert torch.equal(dense(x), torch.nn.functional.linear(x, w))
 
 
+@needs_group_kernel
+def test_pack_linears_gathers_group_kernel_weights_on_huge_pages(monkeypatch):
+    """``pack_linears`` moves the group kernels' weights into one buffer advised onto 2 MB pages: each
+    weight 64-byte aligned, the advised range 2 MB aligned and holding them all, every output the same
+    bits; a second call moves nothing; where the advice fails nothing moves."""
+    from specserve.layers import packing, quant
+    from specserve.layers.linear import ReplicatedLinear
+
+    advised = []
+    real = quant._advise_huge_pages
+    monkeypatch.setattr(quant, "_advise_huge_pages", lambda a, n: advised.append((a, n)) or real(a, n) or True)
+    g = torch.Generator().manual_seed(8)
+
+    def linears(shapes, bits):
+        out = []
+        for n_out, n_in in shapes:
+            lin = ReplicatedLinear(n_in, n_out, dtype=torch.bfloat16)
+            lin.quant = quantize(torch.randn(n_out, n_in, generator=g) * 0.1, bits, 32)
+            out.append(lin)
+        return torch.nn.ModuleList(out)
+
+    shapes = [(4096, 576), (1536, 576), (576, 1536), (1040, 512)]  # ~3 MB packed: two 2 MB pages
+    mods = linears(shapes, 4)
+    xs = [torch.randn(5, n_in, generator=g).to(torch.bfloat16) for _, n_in in shapes]
+    refs = [make_kernel(lin.quant) for lin in mods]  # the same packed weights, left where they are
+    mods_again = linears(shapes, 4)
+    packing.pack_linears(mods)
+    ks = [lin.qkernel for lin in mods]
+    old = [k.weight for k in refs]
+    assert len(advised) == 1 and all(k.gathered for k in ks)
+    start, length = advised[0]
+    assert start % quant.HUGE_PAGE == 0 and length % quant.HUGE_PAGE == 0
+    for k, w in zip(ks, old):
+        p = k.weight.data_ptr()
+        assert torch.equal(k.weight, w) and p % 64 == 0 and start <= p and p + w.numel() <= start + length
+    assert len({k.weight.untyped_storage().data_ptr() for k in ks}) == 1
+    for lin, x, ref in zip(mods, xs, refs):
+        assert torch.equal(lin(x), ref(x))
+    assert quant.gather_weights(ks) == 0 and len(advised) == 1  # nothing left to move
+    monkeypatch.setattr(quant, "_advise_huge_pages", lambda a, n: False)
+    packing.pack_linears(mods_again)
+    assert not any(lin.qkernel.gathered for lin in mods_again)
+    small = linears([(64, 64)], 8)
+    monkeypatch.setattr(quant, "_advise_huge_pages", lambda a, n: True)
+    packing.pack_linears(small)
+    assert not small[0].qkernel.gathered  # under two pages: left where it is
+
+
 def test_rows_invariant_detects_a_row_count_dependent_kernel():
     assert not rows_invariant(lambda x: x * (1 + 1e-2 * x.shape[0]), 32)
     assert rows_invariant(lambda x: x * 3, 32)
