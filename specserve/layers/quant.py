@@ -303,12 +303,12 @@ def _advise_huge_pages(addr: int, length: int) -> bool:
 
 
 def gather_weights(kernels: list["GroupKernel"]) -> int:
-    """Move the packed weights of ``kernels`` (those not moved yet) into one buffer that the kernel is
-    asked to back with 2 MB pages (``madvise(MADV_HUGEPAGE)``; honoured where transparent huge pages are
+    """Move the packed weights of ``kernels`` (those not moved yet) into one buffer that the OS is asked
+    to back with 2 MB pages (``madvise(MADV_HUGEPAGE)``; honoured where transparent huge pages are
     ``always`` or ``madvise``, the usual settings). A decoding step streams every weight once: on 4 KB
     pages it pays a TLB walk, and the hardware prefetcher a restart, every 4 KB. The bytes are the same,
-    so is every result. Where the advice cannot be given the weights stay where they are. Returns the
-    bytes moved."""
+    so is every result. Where the advice cannot be given, or the weights fill less than two such pages,
+    they stay where they are. Returns the bytes of the buffer they took (0: none moved)."""
     ks = [k for k in dict.fromkeys(kernels) if not k.gathered]  # each kernel once
     sizes = [-(-k.weight.numel() // 64) * 64 for k in ks]  # each weight 64-byte aligned
     total = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE
