@@ -287,17 +287,16 @@ _MADV_HUGEPAGE = 14  # Linux's madvise advice: back this range with huge pages w
 
 
 def _advise_huge_pages(addr: int, length: int) -> bool:
-    """Linux ``madvise(addr, length, MADV_HUGEPAGE)``; False where there is no such call or it fails
-    (another OS, transparent huge pages compiled out)."""
+    """Linux ``madvise(addr, length, MADV_HUGEPAGE)`` (the C library the process has loaded already);
+    False where there is no such call or it fails (another OS, transparent huge pages compiled out)."""
     import ctypes
-    import ctypes.util
     import sys
 
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        madvise = ctypes.CDLL(None).madvise
+        return madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
 
