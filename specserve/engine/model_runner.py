@@ -198,7 +198,14 @@ class DraftTargetView:
 
     def full_lm_head_weight(self) -> torch.Tensor:
         """The full (unsharded) LM head weight, read from the checkpoint (float)."""
-        name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        return self._checkpoint_tensor("model.embed_tokens.weight" if self.config.tie_word_embeddings
+                                       else "lm_head.weight")
+
+    def full_embedding_weight(self) -> torch.Tensor:
+        """The full (unsharded) token embedding, read from the checkpoint (float)."""
+        return self._checkpoint_tensor("model.embed_tokens.weight")
+
+    def _checkpoint_tensor(self, name: str) -> torch.Tensor:
         for n, t in iter_weights(self.model_dir):
             if n == name:
                 return t

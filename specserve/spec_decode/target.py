@@ -38,6 +38,9 @@ class DraftTarget(Protocol):
     def full_lm_head_weight(self) -> torch.Tensor:
         """The unsharded LM head weight (float), for heads replicated on every rank."""
 
+    def full_embedding_weight(self) -> torch.Tensor:
+        """The unsharded token embedding (float), for drafters replicated on every rank."""
+
     def step_costs(self, sizes: list[int], reps: int = 3) -> dict[int, float]:
         """Seconds of one target forward appending n tokens, for each n of ``sizes``, measured now."""
 

@@ -14,7 +14,10 @@
    position (t >= prompt_len - 1, i.e. from the state that predicts the first response token on).
    Loss = sum_k 0.8^k * CE_k. With a shared ``lm_head`` (default) the logits use the target's frozen
    ``lm_head`` weight via ``F.linear``; ``--own-lm-head`` gives each head its own trainable copy
-   (initialised from the target's, as Medusa-1 does). AdamW, cosine schedule with linear warm-up,
+   (initialised from the target's, as Medusa-1 does). ``--token-input``: each head's first block also
+   reads the target's embedding of token t+1 (the token the target emits from the state at t, the
+   root of a decoding step's tree), through its own zero-initialised weight U (``MedusaHeads``).
+   AdamW, cosine schedule with linear warm-up,
    mini-batches of positions. ``--draft-vocab-size N``: the heads draft among the N most frequent
    response tokens only (a ``token_map`` saved with the weights); logits, loss and accuracy are then
    over those N rows (a label outside them counts as a miss and adds no loss), N/V of the cost.
@@ -44,7 +47,7 @@ from specserve.train.common import (TrainState, adamw_cosine, by_source, decode_
                                     extra_phrase, extra_record, feature_key, feature_record, feature_runner,
                                     features_phrase, fingerprint, keep_num_threads, progress_bar, prompt_sources,
                                     replay_by_source, resumed_phrase, round_to_bf16_, select_draft_vocab, start_run,
-                                    target_forwards, target_lm_head)
+                                    target_embedding, target_forwards, target_lm_head)
 from specserve.train.data import DataError, _model_fingerprint, cached_chunks, stderr_log
 from specserve.train.options import TrainOptions, option, positive_int
 
@@ -59,6 +62,9 @@ class MedusaTrainArgs(TrainOptions):
     num_layers: int = option(1, "ResBlocks per head", type=int)
     own_lm_head: bool = option(False, "give each head its own trainable lm_head (initialised from the target's); "
                                       "default: share the target's frozen lm_head")
+    token_input: bool = option(False, "each head's first block also reads the target's embedding of the token the "
+                                      "target has just emitted (token t+1); with --init-from heads without it, "
+                                      "its weights start at zero (the same heads at the start)")
     epochs: int = option(2, "passes over the positions", type=positive_int)
     lr: float = option(1e-3, "AdamW peak learning rate", type=float)
     warmup: float = option(0.1, "linear warm-up, fraction of the steps", type=float)
@@ -78,6 +84,8 @@ class MedusaTrainArgs(TrainOptions):
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.token_input and self.num_layers < 1:
+            raise ValueError("--token-input needs --num-layers >= 1 (the first block reads the token)")
 
 
 # ---- hidden states ------------------------------------------------------------------------------------
@@ -143,9 +151,11 @@ def build_examples(hiddens: list[torch.Tensor], samples: list[dict], num_heads: 
 
 
 # ---- the heads' logits --------------------------------------------------------------------------------
-def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None) -> torch.Tensor:
-    """h [B, d] -> logits [B, K, V] (float32); one matmul for all heads when the lm_head is shared."""
-    states = heads.head_states(h)
+def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None,
+                emb: torch.Tensor | None = None) -> torch.Tensor:
+    """h [B, d] -> logits [B, K, V] (float32); one matmul for all heads when the lm_head is shared.
+    ``emb`` [B, d]: the embeddings of the rows' tokens t+1 (``token_input`` heads)."""
+    states = heads.head_states(h, emb)
     if heads.lm_heads is None:
         return F.linear(states, lm_w, lm_b)
     V = heads.cfg.vocab_size
@@ -153,14 +163,26 @@ def head_logits(heads, h: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor |
                         for k, hd in enumerate(heads.lm_heads)], dim=1)
 
 
+def root_embeddings(heads, roots: torch.Tensor | None, embed: torch.Tensor | None, idx) -> torch.Tensor | None:
+    """The embeddings of the tokens t+1 of the examples ``idx`` (a slice or index tensor into ``roots``,
+    their target ids) for ``token_input`` heads; None for other heads."""
+    if not heads.cfg.token_input:
+        return None
+    if roots is None or embed is None:
+        raise ValueError("token_input heads need the examples' tokens t+1 and the target's embedding")
+    return embed[roots[idx]]
+
+
 @torch.no_grad()
 def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None,
-                   batch_size: int = 256, topk: int = TOPK_RECORDED, progress: bool = False) -> dict:
+                   batch_size: int = 256, topk: int = TOPK_RECORDED, progress: bool = False,
+                   roots: torch.Tensor | None = None, embed: torch.Tensor | None = None) -> dict:
     """Per-head accuracy and CE on (H, labels) from ``build_examples``: ``top1``/``top5`` [K],
     ``topk`` [K][topk] (cumulative: top-1, top-2, ...), ``loss`` [K], ``n`` [K] positions, and
     ``base_top1``: the base lm_head's top-1 agreement with token t+1 (1.0 up to numerics for greedy
     self-distilled data), ``chain_hits`` [N, K] bool: each head's top-1 is its label (the chain drafts
-    of a step at that position, for ``replay_greedy_decoding``)."""
+    of a step at that position, for ``replay_greedy_decoding``). ``roots``/``embed``: ``root_embeddings``'
+    (the target ids of tokens t+1, the target's embedding), for ``token_input`` heads."""
     K = heads.cfg.num_heads
     V = lm_w.shape[0]
     topk = min(topk, V)
@@ -172,7 +194,7 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     bar = progress_bar(len(H), "evaluate", progress)
     for a in range(0, len(H), batch_size):
         h, y = H[a : a + batch_size], labels[a : a + batch_size]
-        logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
+        logits = head_logits(heads, h, lm_w, lm_b, root_embeddings(heads, roots, embed, slice(a, a + batch_size)))
         yk = y[:, 1:]
         ok = yk != IGNORE
         top = logits.topk(topk, dim=-1).indices  # [B, K, topk]
@@ -209,7 +231,8 @@ CALIBRATION_GRID = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
 @torch.no_grad()
 def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Tensor, lm_b: torch.Tensor | None,
                           batch_size: int = 256, max_positions: int = 4096,
-                          grid: torch.Tensor = CALIBRATION_GRID) -> list[float]:
+                          grid: torch.Tensor = CALIBRATION_GRID, roots: torch.Tensor | None = None,
+                          embed: torch.Tensor | None = None) -> list[float]:
     """Temperature scaling of each head: the T_k of ``grid`` that minimises the negative log-likelihood
     of the head's labels under softmax(logits / T_k) on (the first ``max_positions`` of) the held-out
     examples (labels outside the draft vocabulary left out). Heads trained to overfit are overconfident
@@ -218,7 +241,8 @@ def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: to
     n = min(len(H), max_positions)
     nll = torch.zeros(K, len(grid), dtype=torch.float64)
     for a in range(0, n, batch_size):
-        z = head_logits(heads, H[a : min(a + batch_size, n)], lm_w, lm_b)  # [B, K, V]
+        rows = slice(a, min(a + batch_size, n))
+        z = head_logits(heads, H[rows], lm_w, lm_b, root_embeddings(heads, roots, embed, rows))  # [B, K, V]
         y = labels[a : min(a + batch_size, n), 1:]
         ok = y >= 0
         for g, T in enumerate(grid.tolist()):
@@ -230,12 +254,14 @@ def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: to
 # ---- training -----------------------------------------------------------------------------------------
 def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs: int = 2, lr: float = 1e-3,
                 batch_size: int = 256, warmup: float = 0.1, weight_decay: float = 0.0, head_decay: float = 0.8,
-                seed: int = 0, progress: bool = True, log=None, state: TrainState | None = None) -> dict:
+                seed: int = 0, progress: bool = True, log=None, state: TrainState | None = None,
+                roots: torch.Tensor | None = None, embed: torch.Tensor | None = None) -> dict:
     """Train ``heads`` in place on (H, labels); returns ``epoch_loss`` (mean weighted loss per epoch),
     ``epoch_top1`` ([epoch][K] training top-1), ``step_loss`` (every step), ``steps``, ``resumed_at``
     (the steps a run continued from) and ``train_s`` / ``train_s_before`` (seconds of training in all
     runs / in the earlier ones). ``state``: where the loop saves itself when due and, if a saved state is
-    there, continues from it with the result of an uninterrupted run; cleared at the end."""
+    there, continues from it with the result of an uninterrupted run; cleared at the end.
+    ``roots``/``embed``: as ``evaluate_heads``."""
     K = heads.cfg.num_heads
     V = lm_w.shape[0]
     N = len(H)
@@ -264,7 +290,7 @@ def train_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w, lm_b, epochs
             idx = perm[s * batch_size : (s + 1) * batch_size]
             h, y = H[idx], labels[idx, 1:]
             y = torch.where(y == OUTSIDE, IGNORE, y)
-            logits = head_logits(heads, h, lm_w, lm_b)  # [B, K, V]
+            logits = head_logits(heads, h, lm_w, lm_b, root_embeddings(heads, roots, embed, idx))  # [B, K, V]
             ok = y != IGNORE
             ce = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE,
                                  reduction="none").view(y.shape)
@@ -339,6 +365,9 @@ class _Data:
     Yh: torch.Tensor | None = None
     vocab_ids: torch.Tensor | None = None
     coverage: float = 1.0
+    embed: torch.Tensor | None = None  # the target's input embedding, for ``token_input`` heads
+    R: torch.Tensor | None = None  # the examples' tokens t+1, target ids (``Y[:, 0]`` before any draft ids)
+    Rh: torch.Tensor | None = None
 
 
 def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
@@ -352,6 +381,10 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
             heads, grown_from = grow_blocks(heads, args.num_layers), mcfg.num_layers
             log(f"{args.num_layers - mcfg.num_layers} zero-initialised block(s) added after each head's "
                 f"{mcfg.num_layers} (x + SiLU(0) = x: the same heads at the start)")
+        if args.init_from and args.token_input and not heads.cfg.token_input:
+            heads = grow_blocks(heads, heads.cfg.num_layers, token_input=True)
+            log("each head's first block now also reads the embedding of token t+1, through a zero-initialised "
+                "weight (the same heads at the start)")
         if heads.token_map is not None:
             data.vocab_ids = heads.token_map.clone()
     elif 0 < args.draft_vocab_size < data.cfg_t.vocab_size:
@@ -361,15 +394,15 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     data.timings["hidden_states_s"] += time.perf_counter() - t
     sources = prompt_sources(args.prompts_file)
     if args.eval_only:
-        return _evaluate_saved(args, command, log, heads, data.Hh, data.Yh, data.lm_w, data.lm_b, data.held_s,
-                               data.held_sizes, sources, data.coverage, data.t_start, data.timings)
+        return _evaluate_saved(args, command, log, heads, data, sources)
     n_resp = sum(len(s["ids"]) - s["prompt_len"] for s in data.train_s)
     log(f"{len(data.train_s)} training sequences ({n_resp} response tokens) -> {len(data.H)} positions; "
         f"{len(data.held_s)} held-out sequences -> {len(data.Hh)} positions")
     mcfg, heads = (heads.cfg, heads) if heads is not None else _new_heads(args, data)
     timings = data.timings
     t = time.perf_counter()
-    zero = evaluate_heads(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size)
+    zero = evaluate_heads(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size, roots=data.Rh,
+                          embed=data.embed)
     timings["eval_zero_init_s"] = time.perf_counter() - t
     log((f"held-out top-1 of the heads at {args.init_from}, before training: " if args.init_from else
          "held-out top-1 at zero init (the base model's next token as every head's guess): ")
@@ -377,8 +410,7 @@ def _train_medusa(args: MedusaTrainArgs, command: str | None, log) -> dict:
     tr = _train(args, data, heads, log)
     t = time.perf_counter()
     round_to_bf16_(heads)
-    ev = _evaluate(heads, data.Hh, data.Yh, data.lm_w, data.lm_b, args.batch_size, data.held_s, data.held_sizes,
-                   sources, log)
+    ev = _evaluate(heads, data, args.batch_size, sources, log)
     timings["eval_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - data.t_start
     # -- save
@@ -414,7 +446,8 @@ def _distill(args: MedusaTrainArgs, log) -> _Data:
     hid_held = by_source(hidden, held_s, run.held_sizes)
     lm_w, lm_b = target_lm_head(runner)
     data = _Data(run.t_start, run.timings, run.data_desc, run.gen_dtype, train_s, held_s, run.held_sizes,
-                 runner.config, lm_w, lm_b, hid_train, hid_held, _model_fingerprint(model_dir), cache_dir, fkey)
+                 runner.config, lm_w, lm_b, hid_train, hid_held, _model_fingerprint(model_dir), cache_dir, fkey,
+                 embed=target_embedding(runner))
     if kept:
         llm.shutdown()
     del llm, run, runner, model, hidden
@@ -428,6 +461,7 @@ def _examples(data: _Data, num_heads: int, log) -> None:
     data.H, data.Y = build_examples(data.hid_train, data.train_s, num_heads) if data.hid_train else (None, None)
     data.Hh, data.Yh = build_examples(data.hid_held, data.held_s, num_heads)
     data.hid_train = data.hid_held = None
+    data.R, data.Rh = None if data.Y is None else data.Y[:, 0].clone(), data.Yh[:, 0].clone()
     vocab_ids = data.vocab_ids
     if vocab_ids is None:
         return
@@ -442,14 +476,16 @@ def _examples(data: _Data, num_heads: int, log) -> None:
         f"{100 * data.coverage:.2f}% of the held-out labels")
 
 
-def grow_blocks(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
+def grow_blocks(heads: MedusaHeads, num_layers: int, token_input: bool | None = None) -> MedusaHeads:
     """``heads`` with ``num_layers`` residual blocks per head: its own blocks first, then zero-initialised
-    ones (``x + SiLU(0 x + 0) = x``), so the grown heads compute what ``heads`` computes."""
-    grown = MedusaHeads(replace(heads.cfg, num_layers=num_layers), dtype=torch.float32)
+    ones (``x + SiLU(0 x + 0) = x``), so the grown heads compute what ``heads`` computes; ``token_input``
+    True adds the first blocks' token weights, zero-initialised (``U e = 0``: the same states again)."""
+    token_input = heads.cfg.token_input if token_input is None else token_input
+    grown = MedusaHeads(replace(heads.cfg, num_layers=num_layers, token_input=token_input), dtype=torch.float32)
     with torch.no_grad():
         for old, new in zip(heads.blocks, grown.blocks):
             for a, b in zip(old, new):
-                b.load_state_dict(a.state_dict())
+                b.load_state_dict(a.state_dict(), strict=b.token_weight is None or a.token_weight is not None)
         if heads.lm_heads is not None:
             for a, b in zip(heads.lm_heads, grown.lm_heads):
                 b.load_state_dict(a.state_dict())
@@ -465,7 +501,8 @@ def _new_heads(args: MedusaTrainArgs, data: _Data):
     mcfg = MedusaConfig(num_heads=args.num_heads, num_layers=args.num_layers, hidden_size=cfg_t.hidden_size,
                         vocab_size=cfg_t.vocab_size, shared_lm_head=not args.own_lm_head, bias=True,
                         base_model=args.model or "default:SmolLM2-135M-Instruct",
-                        draft_vocab_size=None if vocab_ids is None else vocab_ids.numel())
+                        draft_vocab_size=None if vocab_ids is None else vocab_ids.numel(),
+                        token_input=args.token_input)
     heads = MedusaHeads(mcfg, dtype=torch.float32)
     if vocab_ids is not None:
         heads.token_map.copy_(vocab_ids)
@@ -496,7 +533,7 @@ def _train(args: MedusaTrainArgs, data: _Data, heads, log) -> dict:
                            resume=args.resume, log=log)
     with state.stop_on_signals() if state is not None else contextlib.nullcontext():
         tr = train_heads(heads, data.H, data.Y, data.lm_w, data.lm_b, progress=args.progress, log=log, state=state,
-                         **hyper)
+                         roots=data.R, embed=data.embed, **hyper)
     data.timings["train_s"] = tr["train_s"]  # earlier runs' part too when it continued a saved state
     data.t_start -= tr["train_s_before"]
     return tr
@@ -539,14 +576,15 @@ def _training_meta(args: MedusaTrainArgs, command: str, data: _Data, n_resp: int
     }
 
 
-def _evaluate(heads, Hh, Yh, lm_w, lm_b, batch_size, held_s, held_sizes, sources, log) -> dict:
+def _evaluate(heads, data: _Data, batch_size, sources, log) -> dict:
     """``evaluate_heads`` on the held-out examples plus ``decode``: greedy decoding with chains of the
     heads' top-1, replayed (``replay_by_source``)."""
-    ev = evaluate_heads(heads, Hh, Yh, lm_w, lm_b, batch_size)
-    ev["head_temperatures"] = fit_head_temperatures(heads, Hh, Yh, lm_w, lm_b, batch_size)
+    inputs = (heads, data.Hh, data.Yh, data.lm_w, data.lm_b, batch_size)
+    ev = evaluate_heads(*inputs, roots=data.Rh, embed=data.embed)
+    ev["head_temperatures"] = fit_head_temperatures(*inputs, roots=data.Rh, embed=data.embed)
     log("held-out calibration temperature per head: " + " ".join(f"{t:.2f}" for t in ev["head_temperatures"]))
-    lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, held_s)]
-    ev["decode"] = replay_by_source(ev["chain_hits"], lengths, held_sizes, sources)
+    lengths = [max(0, t1 - t0) for t0, t1 in map(example_range, data.held_s)]
+    ev["decode"] = replay_by_source(ev["chain_hits"], lengths, data.held_sizes, sources)
     log(f"held-out greedy decoding with {heads.cfg.num_heads}-token chains, replayed: tau {ev['decode']['tau']:.3f}")
     return ev
 
@@ -569,22 +607,22 @@ def _heldout_meta(ev: dict, n_held: int, n_positions: int, coverage: float) -> d
     }
 
 
-def _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_sizes, sources, coverage,
-                    t_start, timings) -> dict:
+def _evaluate_saved(args, command, log, heads, data: _Data, sources) -> dict:
     """``--eval-only``: the held-out evaluation of the heads already at ``args.out``, written back into
     their ``config.json`` (``training``'s held-out figures, ``heldout_topk_accuracy``, which the engine's
     ``medusa_tree: "auto"`` reads) and ``README.md``; the weights are not touched."""
+    timings = data.timings
     t = time.perf_counter()
-    ev = _evaluate(heads, Hh, Yh, lm_w, lm_b, args.batch_size, held_s, held_sizes, sources, log)
+    ev = _evaluate(heads, data, args.batch_size, sources, log)
     timings["eval_s"] = time.perf_counter() - t
-    timings["total_s"] = time.perf_counter() - t_start
+    timings["total_s"] = time.perf_counter() - data.t_start
     out = Path(args.out)
     raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
     meta = dict(raw.get("training") or {})
     if "command" not in meta:
         raise DataError(f"{out}/config.json has no 'training' record: --eval-only rewrites the held-out figures "
                         "of heads trained by this command")
-    meta.update(_heldout_meta(ev, len(held_s), len(Hh), coverage))
+    meta.update(_heldout_meta(ev, len(data.held_s), len(data.Hh), data.coverage))
     meta["heldout_evaluated_by"] = {
         "command": command or "specserve.train.medusa.train_medusa(" + repr(asdict(args)) + ")",
         "eval_s": round(timings["eval_s"], 1), "total_s": round(timings["total_s"], 1)}
@@ -595,7 +633,7 @@ def _evaluate_saved(args, command, log, heads, Hh, Yh, lm_w, lm_b, held_s, held_
     (out / "README.md").write_text(_readme(out, heads.cfg, meta, ev, zero), encoding="utf-8")
     log(f"rewrote the held-out figures of {out} (config.json, README.md)")
     return {"out": str(out), "timings": timings, "heldout": ev, "meta": meta, "config": asdict(heads.cfg),
-            "heldout_samples": held_s}
+            "heldout_samples": data.held_s}
 
 
 def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
@@ -620,12 +658,14 @@ def _readme(out: Path, cfg, meta: dict, ev: dict, zero: dict) -> str:
     shape = (f"their {grown} ResBlock(s) per head first, then zero-initialised ones" if grown else "their shape")
     init_line = (f"\n- **Initialised from** the heads at `{init}` ({shape} and draft vocabulary), trained "
                  "further by the command above." if init else "")
+    token = (", the first block of each also reading the target's embedding of token t+1 (the token the target "
+             "has just emitted: `token_input`)" if cfg.token_input else "")
     return f"""# Medusa heads for {meta['target_model']}
 
 Generated by `specserve train medusa` (Medusa-1: the target is frozen; only the heads are trained).
 
 - **Command:** `{meta['command']}`{init_line}
-- **Heads:** {K} heads x {cfg.num_layers} ResBlock(s), hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size},
+- **Heads:** {K} heads x {cfg.num_layers} ResBlock(s){token}, hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size},
   {'the target lm_head shared (frozen)' if cfg.shared_lm_head else 'own lm_head per head (initialised from the target)'}{vocab};
   weights stored in bfloat16 (`medusa.safetensors`), format `specserve-medusa` (`config.json`).
 - **Data:** {meta['data']}. The target wrote the responses itself (self-distillation: max

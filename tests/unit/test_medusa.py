@@ -20,10 +20,11 @@ PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 CHAIN = {"medusa_tree": None, "medusa_verify": "full", "ngram_branch": 0}
 
 
-def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5, draft_vocab=None):
+def make_heads(path, hidden, vocab, num_heads=3, num_layers=1, shared=True, seed=0, scale=0.5, draft_vocab=None,
+               token_input=False):
     torch.manual_seed(seed)
     cfg = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
-                       shared_lm_head=shared, draft_vocab_size=draft_vocab)
+                       shared_lm_head=shared, draft_vocab_size=draft_vocab, token_input=token_input)
     heads = MedusaHeads(cfg)
     with torch.no_grad():
         for p in heads.parameters():
@@ -44,6 +45,8 @@ def tiny_heads(tiny_llama, tmp_path_factory):
         "shared-draft-vocab": make_heads(root / "sdv", cfg["hidden_size"], cfg["vocab_size"], draft_vocab=60),
         "own-draft-vocab": make_heads(root / "odv", cfg["hidden_size"], cfg["vocab_size"], shared=False,
                                       draft_vocab=60),
+        "token-input": make_heads(root / "tok", cfg["hidden_size"], cfg["vocab_size"], num_layers=2,
+                                  token_input=True),
     }
 
 
@@ -67,6 +70,55 @@ def test_head_math_matches_formula():
     heads.pack_first_blocks()
     assert heads._first is not None
     assert torch.allclose(heads.logits(x), got, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_token_input_heads_read_the_root_embedding(bits):
+    """``token_input``: each head's first block is x + SiLU(W x + U e + b), e the root token's embedding;
+    zero U gives the plain heads' states; one stacked GEMM over [x; e] (oneDNN or 8 bits) computes the
+    same; heads that need e refuse to run without it."""
+    torch.manual_seed(0)
+    cfg = MedusaConfig(num_heads=3, num_layers=2, hidden_size=64, vocab_size=11, shared_lm_head=False,
+                       token_input=True)
+    heads = MedusaHeads(cfg)
+    plain = MedusaHeads(MedusaConfig(**{**cfg.__dict__, "token_input": False}))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+        plain.load_state({k: v for k, v in heads.state_for_save().items() if "token_weight" not in k})
+    assert {k for k in heads.state_for_save() if "token_weight" in k} == {f"blocks.{h}.0.token_weight"
+                                                                           for h in range(3)}  # first blocks only
+    x, e = torch.randn(5, 64), torch.randn(5, 64)
+    want = []
+    for h in range(3):
+        b0, b1 = heads.blocks[h]
+        y = x + F.silu(x @ b0.weight.T + e @ b0.token_weight.T + b0.bias)
+        want.append(y + F.silu(y @ b1.weight.T + b1.bias))
+    want = torch.stack(want, 1)
+    torch.testing.assert_close(heads.head_states(x, e), want)
+    assert not torch.allclose(heads.head_states(x, e), plain.head_states(x), atol=1e-2)
+    with pytest.raises(ValueError, match="token_input"):
+        heads.logits(x)
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].token_weight.zero_()
+    torch.testing.assert_close(heads.head_states(x, e), plain.head_states(x))
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].token_weight.copy_(torch.randn_like(blocks[0].token_weight) * 0.2)
+        if bits:  # the reference: the first blocks' W and U quantized in groups of 32 columns, dequantized
+            from specserve.layers.quant import quantize
+
+            ref_heads = MedusaHeads(cfg)
+            ref_heads.load_state(heads.state_for_save())
+            for blocks in ref_heads.blocks:
+                for w in (blocks[0].weight, blocks[0].token_weight):
+                    w.copy_(quantize(w, bits, 32).dequantize())
+    ref = (ref_heads if bits else heads).head_states(x, e)
+    heads.pack_first_blocks(bits)
+    assert heads._first is not None
+    tol = 1e-4 if bits is None else 3e-2
+    torch.testing.assert_close(heads.head_states(x, e), ref, atol=tol, rtol=tol)
 
 
 def test_first_blocks_in_8_bits_compute_the_quantized_weights():
@@ -96,7 +148,7 @@ def test_greedy_tree_and_expected_tokens():
     assert expected_tokens(paths, acc) == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12)
 
 
-@pytest.mark.parametrize("kind", ["shared", "own", "shared-draft-vocab", "own-draft-vocab"])
+@pytest.mark.parametrize("kind", ["shared", "own", "shared-draft-vocab", "own-draft-vocab", "token-input"])
 @pytest.mark.parametrize("tree", [None, 6, [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
 def test_greedy_identical_to_plain(tiny_llama, tiny_heads, kind, tree):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -126,11 +178,13 @@ def test_chain_proposal_is_head_argmax(tiny_llama, tiny_heads):
     assert drafts == want and len(drafts) == 2
 
 
-def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_path):
+@pytest.mark.parametrize("token_input", [False, True])
+def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_path, token_input):
     """Each step's chain is the heads' argmax at the final hidden state of the last token kept so far
     (after partial acceptances and rejections), as one full forward of the final sequence gives it,
-    and the steps walk the output (next start = accepted drafts + 1)."""
-    heads = make_heads(tmp_path / "h", 64, 16, num_heads=3)
+    and the steps walk the output (next start = accepted drafts + 1). ``token_input`` heads read the
+    embedding of the token that state emitted: the token at ``start``."""
+    heads = make_heads(tmp_path / "h", 64, 16, num_heads=3, token_input=token_input)
     llm = LLM(sampling_mode="rejection", model=str(small_vocab_model), dtype="float32",
               speculative_config={"method": "medusa", **CHAIN, "model": str(heads), "num_speculative_tokens": 3})
     prop = llm.engine.proposer
@@ -145,23 +199,31 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
     prop.propose = record
     full = sampled_walk(llm, [5, 1, 12, 9, 3], steps)
     hidden = llm.engine.runner.forward(0, [full], [0], "all", return_hidden=True).hidden[0]
+    emb = llm.engine.runner.embed_tokens(torch.tensor(full)) if token_input else None
     for start, chain in steps:
-        want = prop.heads.logits(hidden[start - 1][None], prop.lm_head)[0, : len(chain)].argmax(-1).tolist()
+        root = None if emb is None else emb[start][None]
+        want = prop.heads.logits(hidden[start - 1][None], prop.lm_head, root)[0, : len(chain)].argmax(-1).tolist()
         assert chain == want
+    if token_input:  # the embedding matters: another root token drafts other chains somewhere
+        other = [prop.heads.logits(hidden[start - 1][None], prop.lm_head, emb[(start + 1) % len(full)][None])
+                 [0, : len(chain)].argmax(-1).tolist() for start, chain in steps]
+        assert other != [chain for _, chain in steps]
 
 
 @pytest.mark.parametrize("tree, draft_vocab, verify, quantization", [
     (None, None, "full", None), (8, None, "full", None), (None, 10, "full", None), (8, 10, "full", None),
     (None, None, "auto", None), (8, 10, "auto", None), (None, None, "auto-calibrated", None),
-    (8, 10, "auto-calibrated", None), (8, 10, "full", "int4")])
+    (8, 10, "auto-calibrated", None), (8, 10, "full", "int4"), (8, 10, "auto-token-input", "int4"),
+    (None, None, "full-token-input", None)])
 def test_distribution_matches_plain_sampling(small_vocab_model, tmp_path, tree, draft_vocab, verify, quantization):
     """``auto``: the cost model's cut from the heads' probabilities alone; ``auto-calibrated``: with the
     online calibration, whose choices follow the outcomes of earlier steps (random heads promise more
     than they deliver, so it keeps changing what is verified). ``int4``: a quantized target, the heads
-    sharing its LM head (the draft vocabulary's rows taken quantized)."""
+    sharing its LM head (the draft vocabulary's rows taken quantized). ``token-input``: heads that read
+    the root token's embedding."""
     cfg = json.loads((small_vocab_model / "config.json").read_text())
     heads = make_heads(tmp_path / "h", cfg["hidden_size"], cfg["vocab_size"], shared=quantization is not None,
-                       scale=1.0, draft_vocab=draft_vocab)
+                       scale=1.0, draft_vocab=draft_vocab, token_input=verify.endswith("token-input"))
     fmt = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
     plain = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt)
     spec = LLM(sampling_mode="rejection", model=str(small_vocab_model), max_num_seqs=64, **fmt,
@@ -309,7 +371,7 @@ def test_bad_medusa_config(tiny_llama, tiny_heads, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["shared", "own"])
+@pytest.mark.parametrize("kind", ["shared", "own", "token-input"])
 def test_tp2_medusa_equals_tp1_heads_replicated(tiny_llama, tiny_heads, kind):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     spec_cfg = {"method": "medusa", **CHAIN,
@@ -323,7 +385,13 @@ def test_tp2_medusa_equals_tp1_heads_replicated(tiny_llama, tiny_heads, kind):
         assert all(h.weight.shape == (257, 64) and h.tp_size == 1 for h in heads)  # full vocab, replicated
         before = llm.engine.runner.collective_counts()
         hidden = torch.zeros(4, 64)
-        prop.heads.logits(hidden, prop.lm_head)  # drafting alone runs no collective
+        emb = None
+        if kind == "token-input":  # the root tokens' embedding: a replicated full table too
+            assert prop.embed.tp_size == 1 and prop.embed.weight.shape == (257, 64)
+            emb = prop.embed(torch.tensor([0, 5, 128, 256]))
+            torch.testing.assert_close(emb, LLM(model=str(tiny_llama), dtype="float32").engine.runner.embed_tokens(
+                torch.tensor([0, 5, 128, 256])))
+        prop.heads.logits(hidden, prop.lm_head, emb)  # drafting alone runs no collective
         assert llm.engine.runner.collective_counts() == before
         out = llm.generate(PROMPTS, params, use_tqdm=False)
         counts = llm.engine.runner.collective_counts()

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from specserve.layers.embed_head import ParallelLMHead
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.medusa.formats import load_medusa_checkpoint
-from specserve.spec_decode.medusa.model import MedusaHeads
+from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
 
 D, V, K = 16, 37, 3
 
@@ -159,6 +159,47 @@ def test_ours_config_disagreeing_with_weights_is_an_error(tmp_path):
     raw = make_raw(layers=1)
     with pytest.raises(CheckpointError, match="config says 4 but the weights hold 3 heads"):
         load_medusa_checkpoint(write_ours(tmp_path, raw, num_heads=4), D, V)
+
+
+def test_ours_token_input(tmp_path):
+    """Heads whose first blocks read the root token's embedding: ``token_weight`` per head, declared by
+    ``token_input``; loaded back, saved again, the same tensors. Either half without the other, a missing
+    head or a wrong shape is an error naming it."""
+    from safetensors.torch import load_file
+
+    cfg = MedusaConfig(num_heads=K, num_layers=2, hidden_size=D, vocab_size=V, shared_lm_head=True,
+                       token_input=True)
+    heads = MedusaHeads(cfg)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn_like(p))
+    heads.save(tmp_path / "a", dtype=torch.float32)
+    got, sd = load_medusa_checkpoint(tmp_path / "a", D, V)
+    assert got.token_input and got.num_layers == 2
+    assert {k for k in sd if "token_weight" in k} == {f"blocks.{h}.0.token_weight" for h in range(K)}
+    for k, v in heads.state_for_save().items():
+        assert torch.equal(sd[k], v)
+
+    def variant(name, config_over=None, drop=(), change=None):
+        d = tmp_path / name
+        d.mkdir()
+        tensors = {k: v for k, v in load_file(str(tmp_path / "a" / "medusa.safetensors")).items() if k not in drop}
+        tensors.update(change or {})
+        save_file(tensors, str(d / "medusa.safetensors"))
+        conf = json.loads((tmp_path / "a" / "config.json").read_text())
+        write_json(d / "config.json", {**conf, **(config_over or {})})
+        return d
+
+    with pytest.raises(CheckpointError, match="does not say token_input"):
+        load_medusa_checkpoint(variant("undeclared", {"token_input": False}), D, V)
+    with pytest.raises(CheckpointError, match="lack blocks.1.0.token_weight"):
+        load_medusa_checkpoint(variant("missing", drop=("blocks.1.0.token_weight",)), D, V)
+    with pytest.raises(CheckpointError, match="blocks.0.0.token_weight.*expected"):
+        load_medusa_checkpoint(variant("shape", change={"blocks.0.0.token_weight": torch.zeros(D, D + 1)}), D, V)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'blocks.3.0.token_weight'"):
+        load_medusa_checkpoint(variant("extra", change={"blocks.3.0.token_weight": torch.zeros(D, D)}), D, V)
+    plain = variant("plain", {"token_input": False}, drop=tuple(f"blocks.{h}.0.token_weight" for h in range(K)))
+    assert not load_medusa_checkpoint(plain, D, V)[0].token_input
 
 
 # ---- FasterDecoding -----------------------------------------------------------------------------

@@ -302,6 +302,42 @@ def test_train_medusa_eval_only(tiny_llama, tiny_prompts, cache_dir, tmp_path, c
     assert again["heldout_top1"] == pytest.approx(grown["training"]["heldout_top1"], abs=0.05)
 
 
+def test_train_medusa_token_input(tiny_llama, tiny_prompts, cache_dir, tmp_path, capsys):
+    """``--token-input``: heads whose first blocks also read the embedding of token t+1. Grown from trained
+    heads, their held-out figures at init are those heads' (the token weights start at zero); trained, the
+    weights move and the held-out top-1 rises; the replay of greedy decoding with their chains is what
+    the engine does with them (the same token t+1 in training as the engine's root token)."""
+    from specserve.entrypoints.cli import main
+    from specserve.train.medusa import MedusaTrainArgs, train_medusa
+
+    base = tmp_path / "base"
+    common = ["--model", str(tiny_llama), "--prompts", str(tiny_prompts), "--num-prompts", "40", "--max-tokens",
+              "24", "--threads", "1", "--cache-dir", str(cache_dir), "--no-progress", "--batch-size", "64"]
+    assert main(["train", "medusa", "--out", str(base), *common, "--epochs", "2", "--lr", "1e-2",
+                 "--num-heads", "3", "--draft-vocab-size", "100"]) == 0
+    before = json.loads((base / "config.json").read_text())
+    out = tmp_path / "tok"
+    assert main(["train", "medusa", "--out", str(out), "--init-from", str(base), "--token-input", *common,
+                 "--epochs", "3", "--lr", "1e-2"]) == 0
+    assert "reads the embedding of token t+1" in capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["token_input"] is True and cfg["num_heads"] == 3 and cfg["draft_vocab_size"] == 100
+    tr = cfg["training"]
+    assert tr["heldout_zero_init_top1"] == pytest.approx(before["training"]["heldout_top1"])
+    assert tr["heldout_top1"][0] > before["training"]["heldout_top1"][0]
+    heads, _ = _load_heads(out)
+    assert all(blocks[0].token_weight.abs().sum() > 0 for blocks in heads.blocks)
+    assert "reading the target's embedding of token t+1" in (out / "README.md").read_text()
+    res = train_medusa(MedusaTrainArgs(out=str(out), eval_only=True, model=str(tiny_llama),
+                                       prompts_file=str(tiny_prompts), num_prompts=40, max_tokens=24, threads=1,
+                                       cache_dir=str(cache_dir), progress=False), log=lambda m: None)
+    assert res["heldout"]["top1"] == pytest.approx(tr["heldout_top1"], abs=1e-5)
+    chain = {"method": "medusa", "model": str(out), "medusa_tree": None, "medusa_verify": "full"}
+    assert_replay_is_decoding(tiny_llama, chain, res["heldout_samples"], 24, res["heldout"]["decode"])
+    with pytest.raises(ValueError, match="--token-input needs --num-layers >= 1"):
+        MedusaTrainArgs(out=str(out), token_input=True, num_layers=0).validate()
+
+
 def test_grown_heads_compute_what_the_heads_computed():
     from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
     from specserve.train.medusa import grow_blocks
@@ -322,6 +358,12 @@ def test_grown_heads_compute_what_the_heads_computed():
         for p in grown.blocks[0][2].parameters():  # an added block is trainable from zero: x + SiLU(W x + b)
             p.add_(0.1)
         assert not torch.equal(grown.head_states(x), heads.head_states(x))
+    reading = grow_blocks(heads, 1, token_input=True)  # the first blocks read token t+1 through U = 0
+    e = torch.randn(5, 16, generator=g)
+    with torch.no_grad():
+        assert reading.cfg.token_input and torch.equal(reading.head_states(x, e), heads.head_states(x))
+        reading.blocks[1][0].token_weight.add_(0.1)
+        assert not torch.equal(reading.head_states(x, e), heads.head_states(x))
 
 
 @pytest.mark.parametrize("true_t", [0.5, 2.0])

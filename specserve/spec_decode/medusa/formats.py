@@ -1,7 +1,8 @@
 """Read Medusa head checkpoints of the common published layouts into our names.
 
 ``load_medusa_checkpoint(path, hidden_size, vocab_size)`` returns ``(MedusaConfig, state_dict)``
-with the state dict in our names (``blocks.{h}.{l}.weight|bias``, ``lm_heads.{h}.weight``, float32),
+with the state dict in our names (``blocks.{h}.{l}.weight|bias``, ``blocks.{h}.0.token_weight``,
+``lm_heads.{h}.weight``, float32),
 ready for ``MedusaHeads(cfg).load_state(sd)``. ``path`` is a directory, or a single weights file
 (``.safetensors`` / ``.pt`` / ``.bin``) whose ``config.json``, if any, sits next to it.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,6 +59,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")  # a directory's weights, w
 _FD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 _OURS_BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.(weight|bias)$")
+_OURS_TOKEN = re.compile(r"^blocks\.(\d+)\.0\.token_weight$")  # ours only: ``token_input`` heads
 _OURS_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
 _FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _FD_HEAD = re.compile(r"^(\d+)\.(\d+)\.weight$")
@@ -118,17 +121,51 @@ def _load_ours(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_si
             raise CheckpointError(f"{p}: Medusa heads have {what} {cfg[key]}, the target model has {target}")
     entries: Entries = {}
     token_map = None
+    token_weights: dict[str, torch.Tensor] = {}
     for name, t in iter_tensors(f):
         if name == "token_map":
             token_map = t
+            continue
+        if _OURS_TOKEN.match(name):
+            token_weights[name] = t
             continue
         if not (_OURS_BLOCK.match(name) or _OURS_HEAD.match(name)):
             raise CheckpointError(f"{f}: unexpected tensor {name!r} in a specserve-medusa checkpoint")
         entries[name] = (name, t)
     declared = {k: cfg.get(k) for k in ("num_heads", "num_layers", "bias")}
     declared["shared_lm_head"] = cfg.get("shared_lm_head")
-    return _assemble(p, entries, hidden_size, vocab_size, declared, strict=True, base_model=cfg.get("base_model"),
-                     token_map=token_map, draft_vocab_size=cfg.get("draft_vocab_size"))
+    mcfg, sd = _assemble(p, entries, hidden_size, vocab_size, declared, strict=True,
+                         base_model=cfg.get("base_model"), token_map=token_map,
+                         draft_vocab_size=cfg.get("draft_vocab_size"))
+    return _token_input(p, mcfg, sd, token_weights, bool(cfg.get("token_input", False)))
+
+
+def _token_input(p: Path, cfg: MedusaConfig, sd: dict, weights: dict[str, torch.Tensor], declared: bool):
+    """Our heads' ``token_weight`` tensors (``token_input``): one [d, d] for every head's first block, or
+    none; the config must say which."""
+    want = {f"blocks.{h}.0.token_weight" for h in range(cfg.num_heads)} if cfg.num_layers else set()
+    if not weights and not declared:
+        return cfg, sd
+    if not declared:
+        raise CheckpointError(f"{p}: the weights hold token_weight tensors but the config does not say "
+                              "token_input: true")
+    missing = sorted(want - set(weights))
+    if missing or not want:
+        raise CheckpointError(f"{p}: the config says token_input: true but the weights lack "
+                              f"{', '.join(missing[:6]) or 'the residual blocks that read the token'}")
+    extra = sorted(set(weights) - want)
+    if extra:
+        raise CheckpointError(f"{p}: unexpected tensor {extra[0]!r} (only heads 0..{cfg.num_heads - 1} exist)")
+    d = cfg.hidden_size
+    for name in sorted(want):
+        t = weights[name]
+        if tuple(t.shape) != (d, d) or not t.is_floating_point():
+            raise CheckpointError(f"{p}: Medusa tensor {name!r} has {t.dtype} {tuple(t.shape)}, expected a float "
+                                  f"type of shape {(d, d)}")
+        sd[name] = t.detach().to(torch.float32).contiguous()
+    cfg = replace(cfg, token_input=True)
+    cfg.validate()
+    return cfg, sd
 
 
 def _load_vllm(p: Path, d: Path, weights_file: Path | None, cfg: dict, hidden_size: int, vocab_size: int):

@@ -3,6 +3,11 @@ token t+k+1. Each head is a stack of L residual blocks ``x + SiLU(W x + b)`` (a 
 weight tying) followed by its own vocab projection, or by the target's own ``lm_head`` when the
 checkpoint shares it (Medusa "v2" / vLLM ``original_lm_head``).
 
+With ``token_input`` each head's first block also reads the target's embedding e of the token the
+target has just emitted from that state (token t+1, the root of the step's tree, known before any
+head runs): ``x + SiLU(W x + U e + b)``. Plain Medusa heads guess token t+2 without knowing t+1; these
+know it, and the heads stay independent of each other, so chains and trees are drafted as before.
+
 The heads are small next to the cost of a collective, so under tensor parallelism they are
 replicated on every rank: an own head is ``ParallelLMHead(..., disable_tp=True)`` (full vocabulary,
 no gather); only a shared head goes through the target's sharded ``lm_head``.
@@ -11,10 +16,11 @@ Our checkpoint format (``specserve-medusa``): a directory with ``config.json``::
 
     {"format": "specserve-medusa", "num_heads": K, "num_layers": L, "hidden_size": d,
      "vocab_size": V, "shared_lm_head": bool, "bias": bool, "base_model": "...",
-     "draft_vocab_size": N or null}
+     "draft_vocab_size": N or null, "token_input": bool}
 
 and ``medusa.safetensors`` with ``blocks.{h}.{l}.weight`` [d, d], ``blocks.{h}.{l}.bias`` [d] (when
-``bias``) and, unless shared, ``lm_heads.{h}.weight`` [V, d].
+``bias``), ``blocks.{h}.0.token_weight`` [d, d] (U, when ``token_input``) and, unless shared,
+``lm_heads.{h}.weight`` [V, d].
 
 A *draft vocabulary* (``draft_vocab_size`` N < V, vLLM's ``truncated_vocab_size``) limits the heads'
 candidates to N target tokens, listed by ``token_map`` [N] (int64 target ids, saved with the weights):
@@ -52,6 +58,7 @@ class MedusaConfig:
     bias: bool = True
     base_model: str | None = None
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else a token_map of that many ids
+    token_input: bool = False  # the first blocks also read the embedding of the step's root token
 
     def validate(self) -> None:
         if not (1 <= self.num_heads <= 32):
@@ -61,6 +68,8 @@ class MedusaConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
             raise ValueError(f"medusa draft_vocab_size must be in 1..{self.vocab_size - 1}, "
                              f"got {self.draft_vocab_size}")
+        if self.token_input and self.num_layers < 1:
+            raise ValueError("medusa token_input needs num_layers >= 1 (the first block reads the token)")
 
     @property
     def head_vocab_size(self) -> int:
@@ -72,13 +81,19 @@ class MedusaConfig:
 
 
 class ResBlock(nn.Module):
-    def __init__(self, d: int, bias: bool, dtype):
+    """``x + SiLU(W x + b)``; with ``token_input``, ``x + SiLU(W x + U e + b)`` (e: a token embedding)."""
+
+    def __init__(self, d: int, bias: bool, dtype, token_input: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d, d, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(d, dtype=dtype)) if bias else None
+        self.token_weight = nn.Parameter(torch.zeros(d, d, dtype=dtype)) if token_input else None
 
-    def forward(self, x):
-        return x + F.silu(F.linear(x, self.weight, self.bias))
+    def forward(self, x, emb=None):
+        z = F.linear(x, self.weight, self.bias)
+        if self.token_weight is not None:
+            z = z + F.linear(emb, self.token_weight)
+        return x + F.silu(z)
 
 
 class MedusaHeads(nn.Module):
@@ -87,7 +102,8 @@ class MedusaHeads(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.blocks = nn.ModuleList(
-            nn.ModuleList(ResBlock(cfg.hidden_size, cfg.bias, dtype) for _ in range(cfg.num_layers))
+            nn.ModuleList(ResBlock(cfg.hidden_size, cfg.bias, dtype, cfg.token_input and l == 0)
+                          for l in range(cfg.num_layers))
             for _ in range(cfg.num_heads)
         )
         self.lm_heads = None
@@ -112,7 +128,8 @@ class MedusaHeads(nn.Module):
         if self.cfg.num_layers == 0:
             return
         first = [blocks[0] for blocks in self.blocks]
-        w = torch.cat([b.weight.detach() for b in first])
+        w = torch.cat([b.weight.detach() if b.token_weight is None  # with token_input: [W U] on [x; e]
+                       else torch.cat([b.weight.detach(), b.token_weight.detach()], 1) for b in first])
         bias = torch.cat([b.bias.detach() for b in first]) if self.cfg.bias else None
         if bits:
             self._first = (make_kernel(quantize(w, bits, 32, f"int{bits}-g32")), bias)
@@ -121,16 +138,20 @@ class MedusaHeads(nn.Module):
 
     _first = None  # (packed stacked weight or quantized kernel, stacked bias): ``pack_first_blocks``
 
-    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, d] -> [N, K, d]: each head's residual stack applied to the target state."""
+    def head_states(self, hidden: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, d] -> [N, K, d]: each head's residual stack applied to the target state. ``emb``
+        [N, d]: the target's embedding of each row's root token (required with ``token_input``)."""
+        if self.cfg.token_input and emb is None:
+            raise ValueError("these Medusa heads read the root token's embedding (token_input); pass emb")
         first = None
         if self._first is not None:
             w, bias = self._first
+            x_in = hidden if not self.cfg.token_input else torch.cat([hidden, emb.to(hidden.dtype)], -1)
             y = None
             if not isinstance(w, torch.Tensor):  # a quantized kernel: any float dtype
-                y = w(hidden, bias)
+                y = w(x_in, bias)
             elif hidden.dtype == w.dtype:
-                y = torch.ops.mkldnn._linear_pointwise(hidden, w, bias, "none", [], "")
+                y = torch.ops.mkldnn._linear_pointwise(x_in, w, bias, "none", [], "")
             if y is not None:
                 K, d = self.cfg.num_heads, self.cfg.hidden_size
                 first = hidden.unsqueeze(1) + F.silu(y.view(-1, K, d))  # [N, K, d]
@@ -140,15 +161,16 @@ class MedusaHeads(nn.Module):
         for i, blocks in enumerate(self.blocks):  # (indexing, not slicing: a slice builds a new container)
             x = hidden if first is None else first[:, i]
             for j in range(0 if first is None else 1, len(blocks)):
-                x = blocks[j](x)
+                x = blocks[j](x, emb)
             outs.append(x)
         return torch.stack(outs, dim=1)
 
-    def logits(self, hidden: torch.Tensor, target_lm_head: ParallelLMHead | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, target_lm_head: ParallelLMHead | None = None,
+               emb: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, d] -> logits [N, K, V'] (float32; V' = ``cfg.head_vocab_size``, map indices with
         ``to_target``). A shared head is passed as ``target_lm_head`` (its draft-vocabulary rows when
-        there is a token_map)."""
-        states = self.head_states(hidden)
+        there is a token_map); ``emb``: as ``head_states``."""
+        states = self.head_states(hidden, emb)
         if self.lm_heads is None:
             if target_lm_head is None:
                 raise ValueError("these Medusa heads share the target's lm_head; pass it")
@@ -163,6 +185,8 @@ class MedusaHeads(nn.Module):
                 sd[f"blocks.{h}.{l}.weight"] = blk.weight.detach()
                 if blk.bias is not None:
                     sd[f"blocks.{h}.{l}.bias"] = blk.bias.detach()
+                if blk.token_weight is not None:
+                    sd[f"blocks.{h}.{l}.token_weight"] = blk.token_weight.detach()
         if self.lm_heads is not None:
             for h, head in enumerate(self.lm_heads):
                 sd[f"lm_heads.{h}.weight"] = head.weight.detach()
@@ -179,6 +203,8 @@ class MedusaHeads(nn.Module):
                 want[f"blocks.{h}.{l}.weight"] = blk.weight
                 if blk.bias is not None:
                     want[f"blocks.{h}.{l}.bias"] = blk.bias
+                if blk.token_weight is not None:
+                    want[f"blocks.{h}.{l}.token_weight"] = blk.token_weight
         if self.lm_heads is not None:
             for h, head in enumerate(self.lm_heads):
                 want[f"lm_heads.{h}.weight"] = head.weight

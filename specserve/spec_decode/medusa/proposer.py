@@ -1,6 +1,7 @@
 """Medusa drafting: chain (argmax of each head, vLLM style) or tree (top-k of each head arranged as a
 Medusa tree, verified with tree attention). Both verify losslessly by default; Medusa's "typical
-acceptance" is available opt-in and is lossy.
+acceptance" is available opt-in and is lossy. Heads with ``token_input`` also read the target's embedding
+of each request's last output token (the root of its step's tree).
 
 speculative_config keys: ``model`` (a Medusa checkpoint; default: the heads shipped for the default
 model), ``num_speculative_tokens`` (chain length, <= the number of heads), ``medusa_tree``: None
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 from specserve.layers import cpu_ops
-from specserve.layers.embed_head import ParallelLMHead
+from specserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from specserve.layers.packing import pack_linears
 from specserve.sample.sampler import inverse_cdf, uniforms
 from specserve.sample.tree import TreeBuffers, TreeCache, tree_tokens_from_candidates
@@ -149,6 +150,11 @@ class MedusaProposer(ModelDrafter):
             # where oneDNN does not pack bfloat16), else oneDNN bfloat16
             self.heads.pack_first_blocks(8 if quantized else None)
         self.target = target
+        self.embed = target.embed_tokens  # token_input heads: the root tokens' embeddings
+        if cfg.token_input and self.embed.tp_size > 1:  # replicated like the heads: no collective a step
+            full = VocabParallelEmbedding(tcfg.vocab_size, tcfg.hidden_size, disable_tp=True, dtype=target.dtype)
+            full.weight_loader(full.weight, target.full_embedding_weight())
+            self.embed = full.to(device)
         self.lm_head: ParallelLMHead = target.lm_head
         if cfg.shared_lm_head and cfg.draft_vocab_size:
             # the draft vocabulary's rows of the target's lm_head, replicated (no gather), packed
@@ -343,7 +349,8 @@ class MedusaProposer(ModelDrafter):
             sub = [seqs[b] for b in rows]
             branches = [inputs.branches[b] for b in rows] if inputs.branches else None
             t0 = time.perf_counter()
-            logits = self.heads.logits(torch.stack([self._hidden[s.seq_id] for s in sub]), self.lm_head)
+            logits = self.heads.logits(torch.stack([self._hidden[s.seq_id] for s in sub]), self.lm_head,
+                                       self._root_embeddings(sub))
             prop, gains = self._propose_dynamic(logits, sub, [inputs.max_drafts[b] for b in rows], branches)
             draft_s = time.perf_counter() - t0
             for r, b in enumerate(rows):
@@ -412,7 +419,16 @@ class MedusaProposer(ModelDrafter):
     def dummy_run(self, batch_size: int = 1) -> None:
         d = self.cfg.hidden_size
         with torch.inference_mode():
-            self.heads.logits(torch.zeros(batch_size, d, dtype=self.target.dtype, device=self.device), self.lm_head)
+            x = torch.zeros(batch_size, d, dtype=self.target.dtype, device=self.device)
+            self.heads.logits(x, self.lm_head, x if self.cfg.token_input else None)
+
+    def _root_embeddings(self, seqs) -> torch.Tensor | None:
+        """[B, d]: the target's embedding of each request's last output token (the root of its step's
+        tree, emitted from the hidden state the heads read) for ``token_input`` heads; else None."""
+        if not self.cfg.token_input:
+            return None
+        ids = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        return self.embed(ids).to(self.target.dtype)
 
     # ---- per step -------------------------------------------------------------------------------
     def observe(self, seq, last_hidden, aux, reset) -> None:
@@ -429,7 +445,7 @@ class MedusaProposer(ModelDrafter):
         if self._candidates is not None:
             return self._propose_gated(inputs)
         hidden = torch.stack([self._hidden[s.seq_id] for s in seqs])
-        logits = self.heads.logits(hidden, self.lm_head)  # [B, K, V'] (V': the draft vocabulary)
+        logits = self.heads.logits(hidden, self.lm_head, self._root_embeddings(seqs))  # [B, K, V'] (V': draft vocab)
         if self.tree is None:
             chain = logits[:, : self.num_speculative_tokens]
             drafts = self.heads.to_target(chain.argmax(-1)).tolist()
