@@ -280,9 +280,9 @@ def _count_drafting(prop, drafted: list[int]) -> None:
     if prop.name == "medusa":
         logits = prop.heads.logits
 
-        def counting(hidden, lm_head, _logits=logits):
+        def counting(hidden, lm_head, emb=None, _logits=logits):
             drafted[0] += hidden.shape[0]
-            return _logits(hidden, lm_head)
+            return _logits(hidden, lm_head, emb)
 
         prop.heads.logits = counting
         return
