@@ -178,38 +178,29 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.logits_processor(h, states[:, i]) for i, h in enumerate(self.lm_heads)], 1).float()
 
     # ---- our format -------------------------------------------------------------------------------
-    def state_for_save(self) -> dict[str, torch.Tensor]:
-        sd = {}
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Our names -> the heads' own parameters and token_map (what is saved, and what must load)."""
+        out = {}
         for h, blocks in enumerate(self.blocks):
             for l, blk in enumerate(blocks):
-                sd[f"blocks.{h}.{l}.weight"] = blk.weight.detach()
+                out[f"blocks.{h}.{l}.weight"] = blk.weight
                 if blk.bias is not None:
-                    sd[f"blocks.{h}.{l}.bias"] = blk.bias.detach()
+                    out[f"blocks.{h}.{l}.bias"] = blk.bias
                 if blk.token_weight is not None:
-                    sd[f"blocks.{h}.{l}.token_weight"] = blk.token_weight.detach()
+                    out[f"blocks.{h}.{l}.token_weight"] = blk.token_weight
         if self.lm_heads is not None:
             for h, head in enumerate(self.lm_heads):
-                sd[f"lm_heads.{h}.weight"] = head.weight.detach()
+                out[f"lm_heads.{h}.weight"] = head.weight
         if self.token_map is not None:
-            sd["token_map"] = self.token_map
-        return sd
+            out["token_map"] = self.token_map
+        return out
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach() for name, t in self._tensors().items()}
 
     def load_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load our names; every tensor must be present with its exact shape (errors name it)."""
-
-        want = {}
-        for h, blocks in enumerate(self.blocks):
-            for l, blk in enumerate(blocks):
-                want[f"blocks.{h}.{l}.weight"] = blk.weight
-                if blk.bias is not None:
-                    want[f"blocks.{h}.{l}.bias"] = blk.bias
-                if blk.token_weight is not None:
-                    want[f"blocks.{h}.{l}.token_weight"] = blk.token_weight
-        if self.lm_heads is not None:
-            for h, head in enumerate(self.lm_heads):
-                want[f"lm_heads.{h}.weight"] = head.weight
-        if self.token_map is not None:
-            want["token_map"] = self.token_map
+        want = self._tensors()
         missing = sorted(set(want) - set(sd))
         if missing:
             raise CheckpointError(f"Medusa checkpoint is missing {', '.join(missing[:6])}")

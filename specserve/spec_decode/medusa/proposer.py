@@ -428,7 +428,7 @@ class MedusaProposer(ModelDrafter):
         if not self.cfg.token_input:
             return None
         ids = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        return self.embed(ids).to(self.target.dtype)
+        return self.embed(ids)  # in the target's dtype, as the hidden states
 
     # ---- per step -------------------------------------------------------------------------------
     def observe(self, seq, last_hidden, aux, reset) -> None:
