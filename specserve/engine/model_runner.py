@@ -470,8 +470,10 @@ def _worker_main(rank, size, init_method, model_dir, dtype, max_num_seqs, thread
 def sigint_deferred():
     """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raise
     it: a step the driver has started on the workers is finished on every rank, so an interrupted
-    ``generate`` leaves the group in step. Only the main thread receives signals; elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
+    ``generate`` leaves the group in step. Only the main thread receives signals; elsewhere a no-op, as
+    where the process ignores Ctrl-C (a command a shell without job control started in the background
+    inherits SIGINT ignored): nothing is held, so nothing is raised."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         yield
         return
     pending = []

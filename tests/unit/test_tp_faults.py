@@ -37,9 +37,19 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def test_keyboard_interrupt_mid_generate_leaves_the_group_usable(tiny_llama):
+@pytest.fixture
+def sigint_handler():
+    """Sets this process's SIGINT handler for a test, then puts the one before back: the suite may run
+    with SIGINT ignored (started in the background by a shell without job control)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, before)
+
+
+def test_keyboard_interrupt_mid_generate_leaves_the_group_usable(tiny_llama, sigint_handler):
     """Ctrl-C (SIGINT to this process) at several points of a generate: KeyboardInterrupt is raised,
     the requests are dropped, and the next generate on the same LLM gives a fresh LLM's tokens."""
+    sigint_handler(signal.default_int_handler)
     want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
         PROMPTS, PARAMS, use_tqdm=False)]
     llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
@@ -62,6 +72,25 @@ def test_keyboard_interrupt_mid_generate_leaves_the_group_usable(tiny_llama):
             assert not llm.engine.waiting and not llm.engine.running
             got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
             assert got == want
+    finally:
+        llm.shutdown()
+
+
+def test_ctrl_c_stays_ignored_where_the_process_ignores_it(tiny_llama, sigint_handler):
+    """With SIGINT ignored, a Ctrl-C mid-generate is ignored as everywhere else in the process: the
+    generate finishes with a fresh LLM's tokens and no KeyboardInterrupt comes later."""
+    sigint_handler(signal.SIG_IGN)
+    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, PARAMS, use_tqdm=False)]
+    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        got = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] for _ in range(5)]
+        timer.join()
+        assert timer.finished.is_set() and got == [want] * 5
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         llm.shutdown()
 
