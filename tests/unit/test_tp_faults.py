@@ -37,6 +37,14 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
+def _plain_tokens_and_tp_llm(tiny_llama):
+    """(a fresh one-process LLM's tokens for PROMPTS, a TP=2 LLM with n-gram speculation)"""
+    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
+        PROMPTS, PARAMS, use_tqdm=False)]
+    return want, LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
 @pytest.fixture
 def sigint_handler():
     """Sets this process's SIGINT handler for a test, then puts the one before back: the suite may run
@@ -50,10 +58,7 @@ def test_keyboard_interrupt_mid_generate_leaves_the_group_usable(tiny_llama, sig
     """Ctrl-C (SIGINT to this process) at several points of a generate: KeyboardInterrupt is raised,
     the requests are dropped, and the next generate on the same LLM gives a fresh LLM's tokens."""
     sigint_handler(signal.default_int_handler)
-    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
-        PROMPTS, PARAMS, use_tqdm=False)]
-    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    want, llm = _plain_tokens_and_tp_llm(tiny_llama)
     try:
         for delay in (0.05, 0.13, 0.31):
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -80,10 +85,7 @@ def test_ctrl_c_stays_ignored_where_the_process_ignores_it(tiny_llama, sigint_ha
     """With SIGINT ignored, a Ctrl-C mid-generate is ignored as everywhere else in the process: the
     generate finishes with a fresh LLM's tokens and no KeyboardInterrupt comes later."""
     sigint_handler(signal.SIG_IGN)
-    want = [o.outputs[0].token_ids for o in LLM(model=str(tiny_llama), dtype="float32").generate(
-        PROMPTS, PARAMS, use_tqdm=False)]
-    llm = LLM(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    want, llm = _plain_tokens_and_tp_llm(tiny_llama)
     try:
         timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
