@@ -193,8 +193,9 @@ def evaluate_heads(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: torch.Ten
     base_hits = base_n = 0.0
     bar = progress_bar(len(H), "evaluate", progress)
     for a in range(0, len(H), batch_size):
-        h, y = H[a : a + batch_size], labels[a : a + batch_size]
-        logits = head_logits(heads, h, lm_w, lm_b, root_embeddings(heads, roots, embed, slice(a, a + batch_size)))
+        rows = slice(a, a + batch_size)
+        h, y = H[rows], labels[rows]
+        logits = head_logits(heads, h, lm_w, lm_b, root_embeddings(heads, roots, embed, rows))
         yk = y[:, 1:]
         ok = yk != IGNORE
         top = logits.topk(topk, dim=-1).indices  # [B, K, topk]
@@ -243,7 +244,7 @@ def fit_head_temperatures(heads, H: torch.Tensor, labels: torch.Tensor, lm_w: to
     for a in range(0, n, batch_size):
         rows = slice(a, min(a + batch_size, n))
         z = head_logits(heads, H[rows], lm_w, lm_b, root_embeddings(heads, roots, embed, rows))  # [B, K, V]
-        y = labels[a : min(a + batch_size, n), 1:]
+        y = labels[rows, 1:]
         ok = y >= 0
         for g, T in enumerate(grid.tolist()):
             lp = (z / T).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
