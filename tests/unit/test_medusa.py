@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -208,6 +209,25 @@ def test_engine_drafts_from_the_last_kept_hidden_state(small_vocab_model, tmp_pa
         other = [prop.heads.logits(hidden[start - 1][None], prop.lm_head, emb[(start + 1) % len(full)][None])
                  [0, : len(chain)].argmax(-1).tolist() for start, chain in steps]
         assert other != [chain for _, chain in steps]
+
+
+def test_root_embeddings_are_kept_per_token_and_bounded(small_vocab_model, tmp_path, monkeypatch):
+    """The root tokens' embedding rows that ``_root_embeddings`` keeps equal fresh lookups, for one
+    request and for a batch (a token twice in it too), and never more than ``ROOT_EMBEDDINGS`` are kept."""
+    import specserve.spec_decode.medusa.proposer as medusa_proposer
+
+    monkeypatch.setattr(medusa_proposer, "ROOT_EMBEDDINGS", 3)
+    heads = make_heads(tmp_path / "h", 64, 16, num_heads=3, token_input=True)
+    llm = LLM(model=str(small_vocab_model), dtype="float32",
+              speculative_config={"method": "medusa", **CHAIN, "model": str(heads)})
+    prop, table = llm.engine.proposer, llm.engine.runner.embed_tokens
+    kept = []
+    for toks in ([5], [7], [5], [1], [2], [3, 5, 9, 5], [9]):
+        seqs = [SimpleNamespace(output_ids=[0, t]) for t in toks]
+        assert torch.equal(prop._root_embeddings(seqs), table(torch.tensor(toks)))
+        kept.append(len(prop._root_rows))
+    # a token seen before is not looked up again; a new one where 3 are kept starts them afresh
+    assert kept[:5] == [1, 2, 2, 3, 1] and max(kept) == 3
 
 
 @pytest.mark.parametrize("tree, draft_vocab, verify, quantization", [

@@ -69,6 +69,7 @@ log = logging.getLogger("specserve.medusa")
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "medusa-smollm2-135m"
 SUBTREE_CACHE = 4096  # dynamic trees: built subtrees kept for reuse
 TEMPERATURE_CACHE = 256  # batches' temperature tables kept
+ROOT_EMBEDDINGS = 2048  # root tokens' embedding rows kept (``_root_embeddings``)
 
 
 def default_head_accuracy(num_heads: int, topk: int) -> list[list[float]]:
@@ -126,6 +127,7 @@ class MedusaProposer(ModelDrafter):
         self._subtrees = TreeCache(self._subtree, SUBTREE_CACHE)
         self._hidden: dict[int, torch.Tensor] = {}
         self._temps: dict[tuple, torch.Tensor] = {}  # ``_temperatures`` by the batch's settings
+        self._root_rows: dict[int, torch.Tensor] = {}  # ``_root_embeddings`` by token id
         self.use_draft_gate = opts.draft_gate  # dynamic trees: ``gate`` set in load_model, its calls timed
         if self.acceptance == "typical":
             self.lossy_verify = self._typical
@@ -191,6 +193,7 @@ class MedusaProposer(ModelDrafter):
             [float(temps[h]) if h < len(temps) and float(temps[h]) > 0 else 1.0 for h in range(cfg.num_heads)],
             device=device)
         self._temps.clear()
+        self._root_rows.clear()
         self.tree = self._build_tree(target)
         if self.verify_mode == "auto":
             max_seqs = getattr(target, "max_num_seqs", 1)
@@ -424,11 +427,22 @@ class MedusaProposer(ModelDrafter):
 
     def _root_embeddings(self, seqs) -> torch.Tensor | None:
         """[B, d]: the target's embedding of each request's last output token (the root of its step's
-        tree, emitted from the hidden state the heads read) for ``token_input`` heads; else None."""
+        tree, emitted from the hidden state the heads read) for ``token_input`` heads; else None. Each
+        token's row is looked up once and kept (``ROOT_EMBEDDINGS`` of them; a quantized table's lookup
+        is several small ops a step, and a few hundred tokens make most of any text)."""
         if not self.cfg.token_input:
             return None
-        ids = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        return self.embed(ids)  # in the target's dtype, as the hidden states
+        rows = []
+        for s in seqs:
+            tok = s.output_ids[-1]
+            row = self._root_rows.get(tok)
+            if row is None:
+                if len(self._root_rows) >= ROOT_EMBEDDINGS:
+                    self._root_rows.clear()
+                ids = torch.tensor([tok], dtype=torch.long, device=self.device)
+                row = self._root_rows[tok] = self.embed(ids)[0]  # in the target's dtype, as the hidden states
+            rows.append(row)
+        return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)
 
     # ---- per step -------------------------------------------------------------------------------
     def observe(self, seq, last_hidden, aux, reset) -> None:
