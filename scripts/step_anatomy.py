@@ -1,10 +1,10 @@
 """Where a decoding step's time goes inside the engine, for plain decoding and each drafter, interleaved in
 one process prompt by prompt: per step the drafter's call, the target forward, verification and commit,
 and the target forward's time by how many tokens it verified (what each verified token costs as the
-engine runs it, next to the bare forwards that ``step_costs.py`` and the cost models' start-up table
-time). Held-out category prompts, greedy, the speculation gate off (every step may draft); every answer
-is checked against plain decoding's. The figures of docs/drafters-by-category.md's twenty-ninth round
-come from ``python scripts/step_anatomy.py --methods medusa,dspark --num-prompts 3``."""
+engine runs it, beside the start-up table of bare forwards that the cost models read and
+``step_costs.py`` prints). Held-out category prompts, greedy, the speculation gate off (every step may
+draft); every answer is checked against plain decoding's. The figures of docs/drafters-by-category.md's
+twenty-ninth round come from ``python scripts/step_anatomy.py --methods medusa,dspark --num-prompts 3``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import json
 import time
 
 from specserve import LLM
-from specserve.engine import llm_engine
 from specserve.bench.categories import interleaved_chats, parse_ab_arguments, print_ab_table
+from specserve.engine import llm_engine
 
 PARTS = (("_propose", "drafting"), ("_commit", "commit"))
 
