@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 
 from specserve import LLM
 from specserve.bench.categories import interleaved_chats, parse_ab_arguments, print_ab_table
+from specserve.bench.serve_bench import parse_configs
 from specserve.engine import llm_engine
 
 PARTS = (("_propose", "drafting"), ("_commit", "commit"))
@@ -38,15 +38,12 @@ def timed(obj, attr: str, sink: collections.Counter, key, counts: collections.Co
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="medusa", help="comma-separated methods, or name=JSON config entries "
-                                                        "separated by ';'")
+    ap.add_argument("--methods", default="medusa", help="comma-separated bench presets, or LABEL={json "
+                                                        "speculative_config} entries separated by ';'")
     args = parse_ab_arguments(ap)
-    specs = {}
-    for entry in (args.methods.split(";") if "=" in args.methods else args.methods.split(",")):
-        name, _, cfg = entry.partition("=")
-        specs[name.strip()] = json.loads(cfg) if cfg else {"method": name.strip()}
     engines = {"plain": LLM(speculation_gate=False)}
-    engines.update({n: LLM(speculative_config=c, speculation_gate=False) for n, c in specs.items()})
+    engines.update({label: LLM(speculative_config=cfg, speculation_gate=False)
+                    for label, cfg in parse_configs(args.methods) if cfg is not None})
     seconds, forwards = collections.Counter(), collections.Counter()
     decoding = {"step": False}  # set by ``forward_inputs``, which runs just before a step's forward only
     make_inputs = llm_engine.forward_inputs

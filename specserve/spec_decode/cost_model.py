@@ -75,11 +75,10 @@ def choose_verify_lengths(survival: list[list[float]], verify_cost) -> list[int]
     if any(q > p for row in rows for p, q in zip(row, row[1:])):
         raise ValueError("survival products must not increase along a request's drafts")
     best_m, best_rate = 0, B / max(verify_cost(B), 1e-12)
-    column = rows[0] if B == 1 else [0.0] * max(len(row) for row in rows)  # per depth: the rows' sum, in order
-    if B > 1:
-        for row in rows:
-            for i, p in enumerate(row):
-                column[i] += p
+    column = [0.0] * max(len(row) for row in rows)  # per depth: the rows' sum, in row order
+    for row in rows:
+        for i, p in enumerate(row):
+            column[i] += p
     gain = 0.0
     for m, p in enumerate(column, 1):
         gain += p
