@@ -1955,6 +1955,25 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+namespace {
+
+// rank_nodes for one row: v gets each score calibrated and cut at the limit, idx the ranking's order
+void rank_row(const float* row, const int64_t* pd, int64_t N, const float* fr, int64_t S, int64_t lb, float* v,
+              int64_t* idx) {
+  for (int64_t j = 0; j < N; ++j) {
+    float s = row[j];
+    if (fr && s >= 0.0f) s = std::min(s * fr[std::min(std::max<int64_t>(pd[j], 0), S - 1)], 1.0f);
+    v[j] = pd[j] > lb ? -1.0f : s;
+    idx[j] = j;
+  }
+  std::stable_sort(idx, idx + N, [&](int64_t a, int64_t c) {
+    const float va = v[a], vc = v[c];
+    return va > vc || (va != va && vc == vc);
+  });
+}
+
+}  // namespace
+
 // The ranking of a step's scored draft nodes (spec_decode/cost_model.py, ranked_scores): scores [B, N] float32,
 // depth [N] int64 (1-based), scale None or [B, S] float32 (each row's calibration factor by depth, the depth
 // clamped to [0, S - 1]), limit [B] int64 -> (the scores by decreasing value [B, N], their indices [B, N]
@@ -1977,38 +1996,106 @@ std::vector<at::Tensor> rank_nodes(const at::Tensor& scores, const at::Tensor& d
   const at::Tensor x = scores.contiguous(), d = depth.contiguous(), lim = limit.contiguous();
   auto ranked = at::empty({B, N}, x.options());
   auto order = at::empty({B, N}, x.options().dtype(at::kLong));
-  const float* px = x.data_ptr<float>();
   const int64_t* pd = d.data_ptr<int64_t>();
   float* pr = ranked.data_ptr<float>();
   int64_t* po = order.data_ptr<int64_t>();
   std::vector<float> v(N);
-  std::vector<int64_t> idx(N);
   for (int64_t b = 0; b < B; ++b) {
-    const float* row = px + b * N;
-    const float* fr = S ? f.data_ptr<float>() + b * S : nullptr;
-    const int64_t lb = lim.data_ptr<int64_t>()[b];
-    for (int64_t j = 0; j < N; ++j) {
-      float s = row[j];
-      if (fr && s >= 0.0f) s = std::min(s * fr[std::min(std::max<int64_t>(pd[j], 0), S - 1)], 1.0f);
-      v[j] = pd[j] > lb ? -1.0f : s;
-      idx[j] = j;
-    }
-    std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t c) {
-      const float va = v[a], vc = v[c];
-      return va > vc || (va != va && vc == vc);
-    });
-    for (int64_t j = 0; j < N; ++j) {
-      pr[b * N + j] = v[idx[j]];
-      po[b * N + j] = idx[j];
-    }
+    rank_row(x.data_ptr<float>() + b * N, pd, N, S ? f.data_ptr<float>() + b * S : nullptr, S,
+             lim.data_ptr<int64_t>()[b], v.data(), po + b * N);
+    for (int64_t j = 0; j < N; ++j) pr[b * N + j] = v[po[b * N + j]];
   }
   return {ranked, order};
+}
+
+// Medusa's dynamic trees in one call (spec_decode/medusa/proposer.py, ``MedusaProposer.ranked_paths``): logits
+// [B, H, V] float32 (the heads' logits, rows contiguous; the first D heads are read), t [B, >= D] float32 (what
+// each head's logits are divided by), k, token_map None or [V] int64 (draft id -> target id), flat [P, D] int64
+// (each candidate path's entry at each depth in a row's table of its D heads' top-k probabilities followed by
+// a 1), depth [P] int64 (1-based), scale None or each row's calibration factors by depth, limit [B] -> per row,
+// as lists: the heads' top-k tokens [D * k] (target ids, rank order); each path's probability, the product of
+// its entries depth by depth [P]; their ranking [P] and its order [P]. Each head's top k as softmax_topk, the
+// products as torch multiplies float32 tensors, the ranking as rank_nodes (scale taken to float32): the
+// same values as those ops.
+std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>, std::vector<std::vector<double>>,
+           std::vector<std::vector<int64_t>>>
+medusa_paths(const at::Tensor& logits, const at::Tensor& t, int64_t k, const c10::optional<at::Tensor>& token_map,
+             const at::Tensor& flat, const at::Tensor& depth, const c10::optional<std::vector<std::vector<double>>>& scale,
+             const std::vector<int64_t>& limit) {
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.stride(2) == 1,
+              "medusa_paths: logits must be [B, H, V] float32 with contiguous rows");
+  TORCH_CHECK(flat.dim() == 2 && flat.scalar_type() == at::kLong && flat.is_contiguous(), "medusa_paths: flat [P, D] int64");
+  const int64_t B = logits.size(0), V = logits.size(2), P = flat.size(0), D = flat.size(1);
+  TORCH_CHECK(D >= 1 && D <= logits.size(1) && k >= 1 && k <= V, "medusa_paths: D <= H heads, 1 <= k <= V");
+  TORCH_CHECK(depth.dim() == 1 && depth.size(0) == P && depth.scalar_type() == at::kLong && depth.is_contiguous(),
+              "medusa_paths: depth [P] int64");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.size(1) >= D && t.scalar_type() == at::kFloat,
+              "medusa_paths: t [B, >= D] float32");
+  TORCH_CHECK(static_cast<int64_t>(limit.size()) == B, "medusa_paths: one limit a row");
+  TORCH_CHECK(!scale.has_value() || static_cast<int64_t>(scale->size()) == B, "medusa_paths: one scale row a row");
+  const int64_t* pmap = nullptr;
+  at::Tensor tmap;
+  if (token_map.has_value() && token_map->defined()) {
+    tmap = token_map->contiguous();
+    TORCH_CHECK(tmap.scalar_type() == at::kLong && tmap.numel() == V, "medusa_paths: token_map [V] int64");
+    pmap = tmap.data_ptr<int64_t>();
+  }
+  const int64_t* pf = flat.data_ptr<int64_t>();
+  const int64_t* pd = depth.data_ptr<int64_t>();
+  const int64_t Tn = D * k + 1;
+  for (int64_t j = 0; j < P * D; ++j) TORCH_CHECK(pf[j] >= 0 && pf[j] < Tn, "medusa_paths: flat entry out of range");
+  std::vector<float> probs(B * Tn);  // per row: the D heads' top-k probabilities, then a 1
+  std::vector<int64_t> ids(B * D * k);
+  const float* pl = logits.data_ptr<float>();
+  const at::Tensor tc = t.contiguous();
+  const float* pt = tc.data_ptr<float>();
+  const int64_t ts = tc.size(1);
+  auto run = [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf((V + 15) / 16 * 16);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / D, h = r % D;
+      softmax_topk_row<float>(pl + b * logits.stride(0) + h * logits.stride(1), nullptr, pt[b * ts + h], V, k, buf.data(),
+                              probs.data() + b * Tn + h * k, ids.data() + (b * D + h) * k);
+    }
+  };
+  if (B * D > 1 && at::get_num_threads() > 1)
+    at::parallel_for(0, B * D, 1, run);
+  else
+    run(0, B * D);
+  std::vector<std::vector<int64_t>> top(B, std::vector<int64_t>(D * k)), order(B, std::vector<int64_t>(P));
+  std::vector<std::vector<double>> raw(B, std::vector<double>(P)), ranked(B, std::vector<double>(P));
+  std::vector<float> prod(P), v(P), f;
+  for (int64_t b = 0; b < B; ++b) {
+    probs[b * Tn + Tn - 1] = 1.0f;
+    for (int64_t j = 0; j < D * k; ++j) {
+      const int64_t id = ids[b * D * k + j];
+      top[b][j] = pmap ? pmap[id] : id;
+    }
+    const float* tb = probs.data() + b * Tn;
+    for (int64_t p = 0; p < P; ++p) {
+      float x = tb[pf[p * D]];
+      for (int64_t dd = 1; dd < D; ++dd) x = x * tb[pf[p * D + dd]];
+      prod[p] = x;
+      raw[b][p] = x;
+    }
+    int64_t S = 0;
+    if (scale.has_value()) {
+      const auto& row = (*scale)[b];
+      S = static_cast<int64_t>(row.size());
+      TORCH_CHECK(S >= 1, "medusa_paths: an empty scale row");
+      f.assign(row.begin(), row.end());
+    }
+    rank_row(prod.data(), pd, P, S ? f.data() : nullptr, S, limit[b], v.data(), order[b].data());
+    for (int64_t j = 0; j < P; ++j) ranked[b][j] = v[order[b][j]];
+  }
+  return {top, raw, ranked, order};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
   m.def("softmax_topk", &softmax_topk, "the k most probable entries of softmax((base + bias) / t), per row");
+  m.def("medusa_paths", &medusa_paths, "Medusa's dynamic-tree candidates: heads' top k, path products, ranking");
   m.def("rank_nodes", &rank_nodes, "draft nodes' scores calibrated by depth, cut at a depth, sorted (cost_model.ranked_scores)");
   m.def("tree_search", &tree_search, "a whole draft-tree search for a vanilla Markov head (drafting.draft_trees)");
   m.def("attention", &attention, "batch-invariant attention over a paged KV cache");

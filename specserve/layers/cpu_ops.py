@@ -2,7 +2,8 @@
 attention over the paged KV cache (each row summed in one fixed order: float32 for bfloat16 rows where
 the ops are built for AVX-512 BF16 or AVX2, float64 otherwise and for float32 rows), the fused residual add +
 RMSNorm, a whole decoder layer of a quantized model in one call, the drafters' candidate search
-(``softmax_topk``: Medusa's heads, DSpark per depth; ``tree_search``: a whole DSpark tree), torch's
+(``softmax_topk``: DSpark per depth; ``medusa_paths``: the heads' top k, their paths' products and ranking
+for Medusa's dynamic trees in one call; ``tree_search``: a whole DSpark tree), torch's
 ``argmax`` in one pass a row (``argmax``: the greedy token of every verification), and
 (``specserve/csrc/quant_gemm.cpp``, AVX-512 BF16 and AVX2 builds) the group kernel of 4- and 8-bit
 weights (``layers.quant.GroupKernel``).

@@ -147,10 +147,10 @@ class TreeBuffers:
 
 
 class TreeCache:
-    """The ``TreeBuffers`` of the trees dynamic drafting builds, kept by a key (a shape recurs step after
-    step); the ``size`` most recently used are kept."""
+    """The ``TreeBuffers`` of the trees dynamic drafting builds (or what ``build`` makes with them), kept by
+    a key (a shape recurs step after step); the ``size`` most recently used are kept."""
 
-    def __init__(self, build: Callable[[Hashable], TreeBuffers], size: int = 4096):
+    def __init__(self, build: Callable[[Hashable], object], size: int = 4096):
         self.build, self.size = build, size
         self._trees: OrderedDict = OrderedDict()
 
@@ -159,7 +159,7 @@ class TreeCache:
         """A cache keyed by the trees' parents tuples."""
         return cls(lambda parents: TreeBuffers.from_parents(list(parents)), size)
 
-    def get(self, key: Hashable) -> TreeBuffers:
+    def get(self, key: Hashable):
         buf = self._trees.get(key)
         if buf is None:
             buf = self._trees[key] = self.build(key)

@@ -1,5 +1,6 @@
 """Medusa heads and drafting: head math, chain/tree proposals, lossless decoding, TP replication."""
 
+import copy
 import json
 import math
 from types import SimpleNamespace
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
+from specserve.layers import cpu_ops
 from specserve.spec_decode.cost_model import MAX_PROFILED_TOKENS
 from specserve.spec_decode.medusa.proposer import expected_tokens, greedy_tree
 from specserve.spec_decode.medusa.model import MedusaConfig, MedusaHeads
@@ -290,6 +292,67 @@ def test_auto_verify_cuts_chains_by_cost(tiny_llama, tiny_heads):
         assert check(llm.get_metrics()), (costs, llm.get_metrics())
     with pytest.raises(ValueError, match="medusa_verify must be one of"):
         LLM(model=str(tiny_llama), speculative_config={"method": "medusa", "medusa_verify": "sometimes"})
+
+
+@pytest.mark.skipif(cpu_ops.get() is None, reason="the C++ extension did not build here (the fallback runs)")
+@pytest.mark.parametrize("kind", ["shared", "shared-draft-vocab"])
+def test_ranked_paths_op_equals_its_pytorch_path(tiny_llama, tiny_heads, kind, monkeypatch):
+    """A dynamic tree's candidates (``MedusaProposer.ranked_paths``: the heads' top-k tokens, each path's
+    probability product, their ranking) in one C++ call: the same values as the separate ops it replaces
+    (the C++ top k, torch's products, the C++ ranking), and through PyTorch the same tokens and ranking
+    (its softmax rounds its own way), for greedy and sampled requests in one batch, a calibration that
+    scales the scores (started once a step either way), rows cut at different depths, equal logits
+    (ties to the lower id)."""
+    from specserve.spec_decode.cost_model import sampling_key
+
+    llm = LLM(model=str(tiny_llama), dtype="float32",
+              speculative_config={"method": "medusa", "model": str(tiny_heads[kind]), "medusa_tree": "auto",
+                                  "medusa_topk": 4, "medusa_verify": "auto", "ngram_branch": 0})
+    prop = llm.engine.proposer
+    assert prop._candidates is not None and prop.calibration is not None
+    seqs = [SimpleNamespace(seq_id=i, output_ids=[1], params=SamplingParams(temperature=t))
+            for i, t in enumerate([0.0, 0.7, 1.3])]
+
+    def calibrated():  # both paths start from the same observed outcomes
+        from specserve.spec_decode.cost_model import AcceptanceCalibration
+
+        cal = AcceptanceCalibration(prop.calibration.max_depth)
+        for s in seqs[:2]:
+            for _ in range(5):
+                cal.begin_step([sampling_key(s.params)])
+                cal.expect(s.seq_id, sampling_key(s.params), [0.9, 0.5, 0.3, 0.2][: cal.max_depth])
+                cal.observe(s.seq_id, 1)
+        return cal
+
+    g = torch.Generator().manual_seed(3)
+    V = prop.heads.cfg.head_vocab_size
+    logits = torch.randn(3, prop.heads.cfg.num_heads, V, generator=g) * 3
+    D = prop._candidates["max_depth"]
+    limits = [D, 1, 2]
+    prop.calibration = calibrated()
+    fast = prop.ranked_paths(logits, seqs, limits)
+    fast_stats = copy.deepcopy(prop.calibration._stats)  # the step it started
+    top, raw, ranked, order = fast
+    assert ranked[0] != sorted(raw[0], reverse=True)  # the calibration scaled row 0
+    depth = prop._candidates["depth_list"]
+    assert all(r == -1.0 for r, i in zip(ranked[1], order[1]) if depth[i] > 1)
+    tied = logits.clone()
+    tied[1, 0, :7] = logits[1, 0].max() + 1  # equal best logits: the op takes the lowest ids first
+    assert prop.ranked_paths(tied, seqs, limits)[0][1][:4] == prop.heads.to_target(torch.arange(4)).tolist()
+    # the separate ops' values
+    probs, ids = cpu_ops.softmax_topk(logits[:, :D].reshape(3 * D, V), None, prop._temperatures(seqs, D, "cpu"), 4)
+    assert top == prop.heads.to_target(ids).reshape(3, -1).tolist()
+    products = prop.path_probs(probs.view(3, D, 4))
+    assert raw == products.tolist()
+    prop.calibration = calibrated()
+    assert [x.tolist() for x in prop.path_scores(products, limits, seqs)] == [ranked, order]
+    # PyTorch's path
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    prop.calibration = calibrated()
+    slow = prop.ranked_paths(logits, seqs, limits)
+    assert slow[0] == top and slow[3] == order
+    assert torch.allclose(torch.tensor(slow[1]), torch.tensor(raw), rtol=1e-5, atol=0)
+    assert fast_stats == prop.calibration._stats
 
 
 @pytest.mark.parametrize("kind, tree", [("own", 6), ("shared-draft-vocab", "auto")])

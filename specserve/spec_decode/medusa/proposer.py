@@ -52,6 +52,7 @@ from specserve.spec_decode.cost_model import (
     TREE_SIZES,
     DraftGate,
     calibrated_lengths,
+    calibration_factors,
     interp_cost,
     profile_sizes,
     ranked_scores,
@@ -331,9 +332,30 @@ class MedusaProposer(ModelDrafter):
         n paths is among them (a path never scores above its parent): each is a subtree."""
         return ranked_scores(self.calibration, seqs, probs, self._candidates["depth"], max_drafts)
 
-    def _subtree(self, idx: tuple[int, ...]) -> TreeBuffers:
-        """The tree of the candidate paths ``idx`` (sorted)."""
-        return TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
+    def ranked_paths(self, logits: torch.Tensor, seqs, max_drafts: list[int]) -> tuple[list, list, list, list]:
+        """Dynamic trees: the heads' logits [B, K, V'] -> per request, as lists: its heads' top-k tokens
+        [D * topk] (target ids, rank order), each candidate path's probability (``path_probs``), and
+        ``path_scores``' ranking of those with its order (this starts the calibration's step). One call of
+        the C++ op on CPU (``cpu_ops``: the same values), else ``_top_probs``, ``path_probs`` and
+        ``path_scores``: fewer distinct calls matter here, as the target's forward has just evicted
+        what they would touch from the caches."""
+        c = self._candidates
+        D = c["max_depth"]
+        ops = cpu_ops.active() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if ops is not None:
+            return ops.medusa_paths(logits, self._temperatures(seqs, D, logits.device), self.topk,
+                                    self.heads.token_map, c["flat"], c["depth"],
+                                    calibration_factors(self.calibration, seqs), list(max_drafts))
+        top_p, top_i = self._top_probs(logits[:, :D], seqs)
+        top = self.heads.to_target(top_i).reshape(len(seqs), -1).tolist()  # [B, D * topk] target ids
+        raw = self.path_probs(top_p)
+        score, order = self.path_scores(raw, max_drafts, seqs)
+        return top, raw.tolist(), score.tolist(), order.tolist()
+
+    def _subtree(self, idx: tuple[int, ...]) -> tuple[TreeBuffers, list[int]]:
+        """The tree of the candidate paths ``idx`` (sorted), and its ``tree_indices`` as a list."""
+        buf = TreeBuffers.from_rank_paths([self._candidates["paths"][i] for i in idx], topk=self.topk)
+        return buf, buf.tree_indices.tolist()
 
     @property
     def plans_branches(self) -> bool:
@@ -369,13 +391,7 @@ class MedusaProposer(ModelDrafter):
         """The requests' dynamic trees, and per request (the expected acceptance, the count) of the heads'
         own nodes it verifies (a node that only an n-gram branch offers needs no drafting)."""
         c = self._candidates
-        D = c["max_depth"]
-        top_p, top_i = self._top_probs(logits[:, :D], seqs)
-        top = self.heads.to_target(top_i).reshape(len(seqs), -1).tolist()  # [B, D * topk] target ids
-        raw = self.path_probs(top_p)
-        score, order = self.path_scores(raw, max_drafts, seqs)
-        score, order = score.tolist(), order.tolist()
-        raw = raw.tolist() if self.calibration is not None else [None] * len(seqs)
+        top, raw, score, order = self.ranked_paths(logits, seqs, max_drafts)
         branches = branches or [None] * len(seqs)
         items = [self._merge_branches(top[b], score[b], order[b], br) if br else None
                  for b, br in enumerate(branches)]
@@ -390,9 +406,9 @@ class MedusaProposer(ModelDrafter):
             gains.append((sum(picked), len(idx)))
             tree = None
             if idx:
-                buf = self._subtrees.get(tuple(idx))
+                buf, where = self._subtrees.get(tuple(idx))
                 cand = [s.output_ids[-1]] + top[b]  # what ``tree_tokens_from_candidates`` indexes
-                tree = TreeDraft([cand[i] for i in buf.tree_indices.tolist()], buf)
+                tree = TreeDraft([cand[i] for i in where], buf)
             tree, n_own = self.with_branches(tree, s, extra)
             trees.append(tree)
             own.append(n_own)
