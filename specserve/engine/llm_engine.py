@@ -325,6 +325,7 @@ class LLMEngine:
         """Append each sequence's emitted tokens; tell the drafter what was accepted and the target
         features of the positions kept; update the metrics. Returns the tokens emitted."""
         emitted_total = 0
+        single = all(len(t) == 1 for t in batch.tokens)  # no drafts: every row keeps its one position
         for b, (s, (emitted, kept_idx)) in enumerate(zip(seqs, results)):
             accepted = len(emitted) - 1
             self.metrics.record(drafts.depth(b), accepted)
@@ -332,9 +333,13 @@ class LLMEngine:
             s.num_computed = batch.starts[b] + 1 + accepted
             kept = s.append_tokens(emitted)
             if out.aux or out.hidden is not None:  # the target features of the positions now kept
-                idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
-                self._observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None,
-                              [a[b, idx] for a in out.aux], reset=False)
+                if single:  # row b's [1, d] (views of the step's small outputs: no index tensor, no copy)
+                    feats = [a[b] for a in out.aux]
+                else:
+                    idx = torch.tensor(kept_idx, dtype=torch.long, device=out.logits.device)
+                    feats = [a[b, idx] for a in out.aux]
+                self._observe(s, out.hidden[b, kept_idx[-1]] if out.hidden is not None else None, feats,
+                              reset=False)
             if s.logprobs is not None:  # emitted[j] was chosen from the logits of position kept_idx[j]
                 s.record_logprobs(out.logits[b, kept_idx[:kept]], emitted[:kept])
             emitted_total += kept

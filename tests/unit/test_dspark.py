@@ -152,7 +152,8 @@ def test_engine_drafts_from_the_features_of_the_kept_prefix(small_vocab_model, t
 
 def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_model, tmp_path):
     """Features observed over steps without drafts wait and are projected in one call when the sequence
-    drafts next: its cache then holds what step-by-step extension gives; a reset drops the wait, and a
+    drafts next: its cache then holds what step-by-step extension gives, whether each step's features came
+    joined or as the engine passes them (per layer, joined when projected); a reset drops the wait, and a
     forgotten sequence leaves nothing behind."""
     drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
     llm = LLM(model=str(small_vocab_model), dtype="float32",
@@ -160,7 +161,8 @@ def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_m
     prop = llm.engine.proposer
     w = prop.worker
     ids = [5, 1, 12, 9, 3, 7, 7, 2, 11, 4, 6]
-    feats = torch.cat(llm.engine.runner.forward(0, [ids], [0], "none", aux_layers=prop.aux_layers).aux, dim=-1)[0]
+    layers = [a[0] for a in llm.engine.runner.forward(0, [ids], [0], "none", aux_layers=prop.aux_layers).aux]
+    feats = torch.cat(layers, dim=-1)
     w.observe(-1, torch.zeros(3, feats.shape[1]), reset=True)  # another prompt's, then reset
     for a, b, reset in [(0, 5, True), (5, 6, False), (6, 9, False), (9, 11, False)]:
         w.observe(-1, feats[a:b], reset)
@@ -172,6 +174,12 @@ def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_m
     assert len(cache) == 11 and torch.equal(cache.positions, ref.positions) and -1 not in w.pending
     torch.testing.assert_close(cache.k[:, :, :11], ref.k[:, :, :11], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache.v[:, :, :11], ref.v[:, :, :11], rtol=1e-5, atol=1e-5)
+    for a, b, reset in [(0, 5, True), (5, 6, False), (6, 9, False), (9, 11, False)]:
+        w.observe(-3, [x[a:b] for x in layers], reset)
+    assert len(w.pending[-3]) == 4
+    (joined,) = w.ready_caches([-3])
+    assert torch.equal(joined.k[:, :, :11], cache.k[:, :, :11]) and torch.equal(joined.v[:, :, :11], cache.v[:, :, :11])
+    w.forget(-3)
     w.observe(-1, feats[:2], reset=False)
     w.forget(-1)
     assert -1 not in w.caches and -1 not in w.pending

@@ -173,16 +173,21 @@ class DSparkDraftWorker:
 
     @torch.inference_mode()
     def observe(self, seq_id: int, features, reset: bool) -> None:
-        """Keep the target features [n, m*d] (a tensor, or a numpy array: what crosses the pipe to the
-        other ranks, plain bytes) of the positions now kept for ``seq_id`` (the cache holds the committed
-        prefix, so they continue it; ``reset``: a new prompt starts at position 0) until it drafts."""
+        """Keep the target features of the positions now kept for ``seq_id`` (the cache holds the committed
+        prefix, so they continue it; ``reset``: a new prompt starts at position 0) until it drafts: a list of
+        the m feature layers' [n, d] tensors, joined only then (one join a drafting step, not one a decoding
+        step), or one [n, m*d] numpy array (what crosses the pipe to the other ranks, plain bytes)."""
         if seq_id not in self.caches:
             self.caches[seq_id] = self.drafter.new_cache()
         if reset:
             self.caches[seq_id].reset()
             self.pending[seq_id], self._waiting[seq_id] = [], 0
-        self.pending.setdefault(seq_id, []).append(torch.as_tensor(features, device=self.device))
-        self._waiting[seq_id] = n = self._waiting.get(seq_id, 0) + len(features)
+        if isinstance(features, (list, tuple)):
+            part = list(features)
+        else:
+            part = [torch.as_tensor(features, device=self.device)]
+        self.pending.setdefault(seq_id, []).append(part)
+        self._waiting[seq_id] = n = self._waiting.get(seq_id, 0) + part[0].shape[0]
         if n >= self.max_waiting:  # a sequence that long without drafts
             self.ready_caches([seq_id])
 
@@ -194,7 +199,8 @@ class DSparkDraftWorker:
             self._waiting.pop(i, None)
             if parts:
                 cache = self.caches[i]
-                features = parts[0] if len(parts) == 1 else torch.cat(parts)
+                layers = [col[0] if len(col) == 1 else torch.cat(col) for col in zip(*parts)]  # [n, d] each
+                features = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
                 start = len(cache)
                 cache.extend(features, list(range(start, start + features.shape[0])))
         return [self.caches[i] for i in seq_ids]
@@ -360,9 +366,9 @@ class DSparkProposer(ModelDrafter):
         self.target.call_helper(self.name, "time_drafting", [batch_size], 2, 1, tree, self.num_speculative_tokens)
 
     def observe(self, seq, last_hidden, aux, reset) -> None:
-        feats = torch.cat(aux, dim=-1)
+        feats = aux
         if self.target.tp.size > 1:  # plain bytes through the pipe, no shared-memory tensor handles
-            feats = feats.float().cpu().numpy()
+            feats = torch.cat(aux, dim=-1).float().cpu().numpy()
         self.target.call_helper(self.name, "observe", seq.seq_id, feats, reset)
 
     def forget(self, seq) -> None:
