@@ -1,0 +1,79 @@
+"""A drafter's gates against other settings, interleaved in one process with plain decoding, in three kinds of
+use: greedy requests one at a time, sampled ones (temperature 0.8, seeded: with coupled sampling every answer
+still equals plain decoding's) and greedy batches of 4. Held-out category prompts; prints per kind each
+engine's speed over plain decoding, its mean acceptance length and how many answers equal plain decoding's.
+An engine is the method's default configuration with some keys changed: ``LABEL={json}`` entries separated by
+';', where the key ``speculation_gate`` goes to ``LLM`` and the rest to ``speculative_config``. The figures of
+docs/drafters-by-category.md's thirtieth round come from ``python scripts/gate_ab.py --method medusa
+--num-prompts 5 --variants 'nospec={"speculation_gate": false};neither={"speculation_gate": false,
+"draft_gate": false}'`` (and ``--method dspark``). Each kind answers prompts of its own: a drafter's n-gram pool
+keeps earlier answers, and greedy answers to the same prompt repeat word for word."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from specserve import LLM, SamplingParams
+from specserve.bench.categories import category_prompts, parse_ab_arguments
+from specserve.bench.serve_bench import parse_configs
+
+KINDS = {"greedy": (1, 0.0), "sampled": (1, 0.8), "batch4": (4, 0.0)}  # requests a call, temperature
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="medusa", help="the speculative method every variant runs")
+    ap.add_argument("--variants", default='neither={"speculation_gate": false, "draft_gate": false}',
+                    help="LABEL={json} entries separated by ';' (beside the default configuration)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"which of {', '.join(KINDS)}")
+    args = parse_ab_arguments(ap)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise SystemExit(f"--kinds: choose from {', '.join(KINDS)}")
+    engines = {"plain": LLM(), "default": LLM(speculative_config={"method": args.method})}
+    for label, settings in parse_configs(args.variants):
+        if not isinstance(settings, dict):
+            raise SystemExit(f"--variants: {label} is not LABEL={{json object}}")
+        spec = {k: v for k, v in settings.items() if k != "speculation_gate"}
+        engines[label] = LLM(speculative_config={"method": args.method, **spec},
+                             speculation_gate=settings.get("speculation_gate"))
+    n = args.num_prompts
+    held_out = category_prompts("categories")
+    per_category = collections.Counter(c for c, _ in held_out)
+    if n * len(kinds) > min(per_category.values()):
+        raise SystemExit(f"--num-prompts: each kind takes prompts of its own, {min(per_category.values())} a "
+                         f"category in all: at most {min(per_category.values()) // len(kinds)} for {len(kinds)} kinds")
+    for j, kind in enumerate(kinds):  # a kind's own prompts: a drafter's n-gram pool keeps earlier answers
+        seen = collections.Counter()
+        prompts = []
+        for c, p in held_out:
+            seen[c] += 1
+            if j * n < seen[c] <= (j + 1) * n:
+                prompts.append(p)
+        size, temperature = KINDS[kind]
+        wall, same = collections.Counter(), collections.Counter()
+        before = {n: llm.get_metrics() for n, llm in engines.items()}
+        calls = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        for i, group in enumerate(calls):
+            params = SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)
+            answers = {}
+            for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
+                t0 = time.perf_counter()
+                out = engines[name].chat([[{"role": "user", "content": p}] for p in group], params, use_tqdm=False)
+                wall[name] += time.perf_counter() - t0
+                answers[name] = [list(o.outputs[0].token_ids) for o in out]
+            for name in engines:
+                same[name] += answers[name] == answers["plain"]
+        print(f"{args.method}, {kind}: {len(prompts)} prompts in {len(calls)} calls, {args.max_tokens} tokens")
+        print("| row | x plain | tau | identical to plain |\n|---|---|---|---|")
+        for name, llm in engines.items():
+            m, m0 = llm.get_metrics(), before[name]
+            steps = m.get("num_verify_steps", 0) - m0.get("num_verify_steps", 0)
+            tau = "-" if not steps else f"{1 + (m['num_accepted_tokens'] - m0['num_accepted_tokens']) / steps:.2f}"
+            print(f"| {name} | {wall['plain'] / wall[name]:.3f}x | {tau} | {same[name]}/{len(calls)} |")
+
+
+if __name__ == "__main__":
+    main()
