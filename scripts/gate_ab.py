@@ -54,7 +54,7 @@ def main() -> None:
                 prompts.append(p)
         size, temperature = KINDS[kind]
         wall, same = collections.Counter(), collections.Counter()
-        before = {n: llm.get_metrics() for n, llm in engines.items()}
+        before = {name: llm.get_metrics() for name, llm in engines.items()}
         calls = [prompts[i : i + size] for i in range(0, len(prompts), size)]
         for i, group in enumerate(calls):
             params = SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)

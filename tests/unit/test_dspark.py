@@ -179,6 +179,10 @@ def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_m
     assert len(w.pending[-3]) == 4
     (joined,) = w.ready_caches([-3])
     assert torch.equal(joined.k[:, :, :11], cache.k[:, :, :11]) and torch.equal(joined.v[:, :, :11], cache.v[:, :, :11])
+    w.observe(-3, feats[:5], reset=True)  # a joined part and per-layer ones
+    w.observe(-3, [x[5:11] for x in layers], reset=False)
+    (mixed,) = w.ready_caches([-3])
+    assert torch.equal(mixed.k[:, :, :11], cache.k[:, :, :11])
     w.forget(-3)
     w.observe(-1, feats[:2], reset=False)
     w.forget(-1)

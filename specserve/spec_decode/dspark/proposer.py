@@ -199,8 +199,11 @@ class DSparkDraftWorker:
             self._waiting.pop(i, None)
             if parts:
                 cache = self.caches[i]
-                layers = [col[0] if len(col) == 1 else torch.cat(col) for col in zip(*parts)]  # [n, d] each
-                features = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
+                if len({len(part) for part in parts}) == 1:  # each layer's rows joined, then the layers
+                    layers = [col[0] if len(col) == 1 else torch.cat(col) for col in zip(*parts)]
+                    features = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
+                else:  # joined and per-layer parts: each part joined first
+                    features = torch.cat([part[0] if len(part) == 1 else torch.cat(part, dim=-1) for part in parts])
                 start = len(cache)
                 cache.extend(features, list(range(start, start + features.shape[0])))
         return [self.caches[i] for i in seq_ids]
