@@ -19,6 +19,8 @@ in a running process (benchmarks compare both ways)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -104,20 +106,40 @@ def _build():
     return compile_ops(csrc, f"specserve_cpu_ops_{suffix}", build_dir)
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold ``build_dir`` for one process's build or load. torch's loader marks a build with a ``lock`` file
+    that a killed build (Ctrl-C in its ~40 s) leaves behind, and every later loader would wait on it
+    forever; this lock is the kernel's (``flock``), released when its holder exits however it exits, and
+    whoever holds it removes a ``lock`` file it finds: no other specserve process is building there."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "specserve.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("specserve: removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def compile_ops(csrc: Path, name: str, build_dir: Path):
     """The ops of the sources in ``csrc`` built (or loaded, when up to date) as module ``name`` in
-    ``build_dir``, with this CPU's flags (``_variant``)."""
+    ``build_dir``, with this CPU's flags (``_variant``), one process at a time (``build_lock``)."""
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(
-        name=name,
-        sources=[str(csrc / "cpu_ops.cpp"), str(csrc / "quant_gemm.cpp")],
-        # OpenMP: at::parallel_for is compiled into the extension (torch's own libgomp at run time)
-        extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *_variant()[1]],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    with build_lock(build_dir):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(csrc / "cpu_ops.cpp"), str(csrc / "quant_gemm.cpp")],
+            # OpenMP: at::parallel_for is compiled into the extension (torch's own libgomp at run time)
+            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *_variant()[1]],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def get():

@@ -349,3 +349,30 @@ def test_fallback_is_taken_under_SPECSERVE_NO_EXT():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fallback ok" in out.stdout and "SPECSERVE_NO_EXT" in out.stderr
+
+
+def test_build_lock_outlives_a_killed_build(tmp_path, caplog):
+    """A build killed mid-way (Ctrl-C in its ~40 s) leaves torch's ``lock`` file, on which every later load
+    would wait forever: ``cpu_ops.build_lock`` (held around every build or load) removes it, and its own lock
+    is the kernel's, so a holder killed with SIGKILL frees it at once."""
+    import fcntl
+    import time
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, pathlib\nfrom specserve.layers import cpu_ops\n"
+         f"with cpu_ops.build_lock(pathlib.Path({str(tmp_path)!r})):\n"
+         "    (pathlib.Path(sys.argv[1]) / 'lock').touch(); print('in', flush=True); time.sleep(600)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "in"
+        with open(tmp_path / "specserve.lock", "a") as f:  # held: another process cannot take it
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "lock").exists()  # what torch's loader would wait on
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"), cpu_ops.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.perf_counter() - t0 < 5 and "did not finish" in caplog.text
