@@ -46,7 +46,8 @@ class OldLLM:
         self.module, self.llm = module, module.LLM(**kwargs)
 
     def chat(self, messages, params, **kwargs):
-        old = self.module.SamplingParams(temperature=params.temperature, max_tokens=params.max_tokens)
+        old = self.module.SamplingParams(temperature=params.temperature, seed=params.seed,
+                                         max_tokens=params.max_tokens)
         return self.llm.chat(messages, old, **kwargs)
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import time
 
-from specserve import LLM, SamplingParams
-from specserve.bench.categories import category_prompts, parse_ab_arguments
+from specserve import LLM
+from specserve.bench.categories import category_prompts, interleaved_chats, parse_ab_arguments
 from specserve.bench.serve_bench import parse_configs
 
 KINDS = {"greedy": (1, 0.0), "sampled": (1, 0.8), "batch4": (4, 0.0)}  # requests a call, temperature
@@ -51,28 +50,18 @@ def main() -> None:
         for c, p in held_out:
             seen[c] += 1
             if j * n < seen[c] <= (j + 1) * n:
-                prompts.append(p)
+                prompts.append((c, p))
         size, temperature = KINDS[kind]
-        wall, same = collections.Counter(), collections.Counter()
         before = {name: llm.get_metrics() for name, llm in engines.items()}
-        calls = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-        for i, group in enumerate(calls):
-            params = SamplingParams(temperature=temperature, seed=i, max_tokens=args.max_tokens)
-            answers = {}
-            for name in list(engines) if i % 2 == 0 else list(engines)[::-1]:
-                t0 = time.perf_counter()
-                out = engines[name].chat([[{"role": "user", "content": p}] for p in group], params, use_tqdm=False)
-                wall[name] += time.perf_counter() - t0
-                answers[name] = [list(o.outputs[0].token_ids) for o in out]
-            for name in engines:
-                same[name] += answers[name] == answers["plain"]
-        print(f"{args.method}, {kind}: {len(prompts)} prompts in {len(calls)} calls, {args.max_tokens} tokens")
+        _, wall, _, same = interleaved_chats(engines, args, prompts, size, temperature)
+        calls = -(-len(prompts) // size)
+        print(f"{args.method}, {kind}: {len(prompts)} prompts in {calls} calls, {args.max_tokens} tokens")
         print("| row | x plain | tau | identical to plain |\n|---|---|---|---|")
         for name, llm in engines.items():
             m, m0 = llm.get_metrics(), before[name]
             steps = m.get("num_verify_steps", 0) - m0.get("num_verify_steps", 0)
             tau = "-" if not steps else f"{1 + (m['num_accepted_tokens'] - m0['num_accepted_tokens']) / steps:.2f}"
-            print(f"| {name} | {wall['plain'] / wall[name]:.3f}x | {tau} | {same[name]}/{len(calls)} |")
+            print(f"| {name} | {wall['plain'] / wall[name]:.3f}x | {tau} | {same[name]}/{calls} |")
 
 
 if __name__ == "__main__":

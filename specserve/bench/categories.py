@@ -140,33 +140,39 @@ def parse_ab_arguments(ap):
     return args
 
 
-def interleaved_chats(engines: dict, args) -> tuple:
-    """``args.num_prompts`` held-out prompts of every category, each as a one-turn greedy chat of up to
-    ``args.max_tokens`` tokens through every ``LLM`` of ``engines`` ({name: LLM}) in turn, the order
-    reversed every other prompt, so that a machine whose speed drifts weighs on every engine alike (the
-    A/B scripts under ``scripts/``). Returns the (category, prompt) pairs, then (wall seconds, generated
-    tokens), Counters keyed by name and by (category, name), and per name how many answers equal the
-    first engine's token for token."""
+def interleaved_chats(engines: dict, args, prompts: list[tuple[str, str]] | None = None, size: int = 1,
+                      temperature: float = 0.0) -> tuple:
+    """``prompts`` ((category, prompt) pairs; default: ``args.num_prompts`` held-out prompts of every
+    category), ``size`` at a time as one call of one-turn chats of up to ``args.max_tokens`` tokens (a call's
+    category: its first prompt's), through every ``LLM`` of ``engines`` ({name: LLM}) in turn, the order
+    reversed every other call, so that a machine whose speed drifts weighs on every engine alike (the A/B
+    scripts under ``scripts/``). Greedy, or sampled at ``temperature`` with the call's index as seed. Returns
+    the (category, prompt) pairs, then (wall seconds, generated tokens), Counters keyed by name and by
+    (category, name), and per name how many calls' answers equal the first engine's token for token."""
     import collections
     import time
 
     from specserve import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompts = category_prompts("categories", args.num_prompts)
+    if prompts is None:
+        prompts = category_prompts("categories", args.num_prompts)
     wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
     first = next(iter(engines))
-    for i, (cat, prompt) in enumerate(prompts):
-        names = list(engines) if i % 2 == 0 else list(engines)[::-1]
+    for i in range(0, len(prompts), size):
+        group = prompts[i : i + size]
+        cat = group[0][0]
+        params = SamplingParams(temperature=temperature, seed=i // size if temperature > 0 else None,
+                                max_tokens=args.max_tokens)
+        names = list(engines) if (i // size) % 2 == 0 else list(engines)[::-1]
         out = {}
         for name in names:
             t0 = time.perf_counter()
-            res = engines[name].chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+            res = engines[name].chat([[{"role": "user", "content": p}] for _, p in group], params, use_tqdm=False)
             dt = time.perf_counter() - t0
-            out[name] = list(res[0].outputs[0].token_ids)
+            out[name] = [list(r.outputs[0].token_ids) for r in res]
             for key in (name, (cat, name)):
                 wall[key] += dt
-                tokens[key] += len(out[name])
+                tokens[key] += sum(map(len, out[name]))
         for name in engines:
             same[name] += out[name] == out[first]
     return prompts, wall, tokens, same
