@@ -2,7 +2,7 @@
 with plain decoding (the only fair A/B on a shared machine, where two processes differ by 10-15%; two
 builds of the C++ ops: ``scripts/ops_builds.py``). The old version is a checkout (``git worktree add
 <dir> <commit>``) imported as ``specserve_old`` from a copy whose imports are renamed; each version
-loads the C++ ops of its own checkout. Held-out category prompts, greedy; prints tok/s over plain
+loads the C++ ops of its own checkout. Held-out category prompts, greedy or sampled; prints tok/s over plain
 decoding per version and whether every answer equals plain decoding's. The figures of
 docs/drafters-by-category.md's thirteenth round come from ``python scripts/code_ab.py <old checkout>
 --method medusa --num-prompts 6`` (and ``--method dspark``)."""
@@ -54,12 +54,14 @@ class OldLLM:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old", type=Path, help="checkout root of the old version")
-    ap.add_argument("--method", default="medusa", help="the speculative method both versions run")
+    ap.add_argument("--method", default="medusa", help="the speculative method both versions run ('none': "
+                                                       "plain decoding)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
     args = parse_ab_arguments(ap)
-    spec = {"method": args.method}
+    spec = None if args.method == "none" else {"method": args.method}
     engines = {"plain": LLM(), "old": OldLLM(import_old(args.old), speculative_config=spec),
                "new": LLM(speculative_config=spec)}
-    prompts, wall, tokens, same = interleaved_chats(engines, args)
+    prompts, wall, tokens, same = interleaved_chats(engines, args, temperature=args.temperature)
     print_ab_table(f"{args.method}: ", args, engines, prompts, wall, tokens, same)
 
 

@@ -182,7 +182,9 @@ def print_ab_table(label: str, args, names, prompts, wall, tokens, same) -> None
     """The A/B scripts' table of ``interleaved_chats``' figures: each engine's tok/s, speed over the first
     one (plain decoding) and how many answers equal its own, under a line saying what ran."""
     first = next(iter(names))
-    print(f"{label}{len(prompts)} prompts, {args.max_tokens} tokens, greedy, {args.threads} threads")
+    t = getattr(args, "temperature", 0.0)
+    kind = f"temperature {t:g} (seeded)" if t else "greedy"
+    print(f"{label}{len(prompts)} prompts, {args.max_tokens} tokens, {kind}, {args.threads} threads")
     print("| row | tok/s | x plain | identical to plain |\n|---|---|---|---|")
     for name in names:
         print(f"| {name} | {tokens[name] / wall[name]:.1f} | {wall[first] / wall[name]:.3f}x | "

@@ -1475,6 +1475,107 @@ std::vector<at::Tensor> softmax_topk(at::Tensor base, c10::optional<at::Tensor> 
 
 namespace {
 
+// the weights exp(l / t - m) of a row's 16 entries from v (m: the row's largest l / t, so the largest weighs
+// exp(0) = 1; exp16: below e^-87 they weigh 0); entries past V weigh 0, as do those below min_p (a
+// probability under min_p x the largest)
+inline v16s draw_weights(const float* row, int64_t v, int64_t V, float t, float m, float min_p) {
+  v16s x;
+  if (v + 16 <= V) {
+    std::memcpy(&x, row + v, sizeof(x));
+  } else {
+    for (int j = 0; j < 16; ++j) x[j] = v + j < V ? row[v + j] : -std::numeric_limits<float>::infinity();
+  }
+  const v16s e = exp16(x / t - m);
+  return min_p > 0.0f ? (e < min_p ? v16s{} : e) : e;
+}
+
+constexpr int64_t kDrawBlock = 64;  // entries a block of the draw's float64 sums (a multiple of 16)
+
+// one row's draw: the first index whose running float64 sum of weights exceeds u x their total. The total
+// goes block by block (each block's sum in float64 lanes, then across them); the block where the running
+// total passes u x total is read again, its entries added one by one (the block's last positive entry where
+// rounding leaves that sum short of it).
+int64_t draw_row(const float* row, int64_t V, float t, float min_p, double u, std::vector<double>& blocks) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  v16s mx16 = v16s{} + ninf;
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) {
+    v16s x;
+    std::memcpy(&x, row + v, sizeof(x));
+    mx16 = x > mx16 ? x : mx16;
+  }
+  float mx = ninf;
+  for (int j = 0; j < 16; ++j) mx = std::max(mx, mx16[j]);
+  for (; v < V; ++v) mx = std::max(mx, row[v]);
+  const float m = mx / t;
+  const int64_t nb = (V + kDrawBlock - 1) / kDrawBlock;
+  blocks.resize(nb);
+  double total = 0.0;
+  int64_t lastb = -1;
+  for (int64_t b = 0; b < nb; ++b) {
+    v8d acc = v8d{};
+    for (int64_t k = b * kDrawBlock; k < std::min((b + 1) * kDrawBlock, V); k += 16) {
+      const v16s e = draw_weights(row, k, V, t, m, min_p);
+      v8f lo, hi;
+      std::memcpy(&lo, &e, sizeof(lo));
+      std::memcpy(&hi, reinterpret_cast<const float*>(&e) + 8, sizeof(hi));
+      acc += __builtin_convertvector(lo, v8d) + __builtin_convertvector(hi, v8d);
+    }
+    const double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    blocks[b] = s;
+    total += s;
+    if (s > 0.0) lastb = b;
+  }
+  if (lastb < 0) return 0;
+  const double x = u * total;
+  double before = 0.0;
+  int64_t b = 0;
+  while (b < lastb && !(before + blocks[b] > x)) before += blocks[b++];  // lastb: u x total rounded up to it
+  int64_t last = b * kDrawBlock;
+  double c = before;
+  for (int64_t k = b * kDrawBlock; k < std::min((b + 1) * kDrawBlock, V); k += 16) {
+    const v16s e = draw_weights(row, k, V, t, m, min_p);
+    for (int j = 0; j < 16; ++j) {
+      if (!(e[j] > 0.0f)) continue;
+      c += static_cast<double>(e[j]);
+      last = k + j;
+      if (c > x) return last;
+    }
+  }
+  return last;
+}
+
+}  // namespace
+
+// Inverse-CDF draws (sample.sampler.draw): logits [n, V] float32 with contiguous rows, t [n] (> 0), min_p [n]
+// float32 and u [n] float64 in [0, 1) -> [n] int64: for each row the first index whose running float64 sum of
+// the weights exp(l / t - max) (0 where that is below min_p) exceeds u x their total; never a weightless index.
+at::Tensor inverse_cdf_draws(const at::Tensor& logits, const at::Tensor& t, const at::Tensor& min_p,
+                             const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) >= 1 &&
+                  logits.stride(1) == 1, "inverse_cdf_draws: logits must be [n, V] float32 with contiguous rows");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(t.numel() == n && min_p.numel() == n && u.numel() == n, "inverse_cdf_draws: one t, min_p, u a row");
+  const at::Tensor tt = t.to(at::kFloat).contiguous(), mp = min_p.to(at::kFloat).contiguous();
+  const at::Tensor uu = u.to(at::kDouble).contiguous();
+  auto out = at::empty({n}, logits.options().dtype(at::kLong));
+  const float* pl = logits.data_ptr<float>();
+  const float *pt = tt.data_ptr<float>(), *pm = mp.data_ptr<float>();
+  const double* pu = uu.data_ptr<double>();
+  int64_t* po = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(pt[r] > 0.0f, "inverse_cdf_draws: temperatures must be > 0");
+  auto run = [&](int64_t r0, int64_t r1) {
+    std::vector<double> blocks;
+    for (int64_t r = r0; r < r1; ++r) {
+      po[r] = draw_row(pl + r * logits.stride(0), V, pt[r], pm[r], pu[r], blocks);
+    }
+  };
+  run(0, n);
+  return out;
+}
+
+namespace {
+
 constexpr int64_t kSearchChunk = 1024;  // draft-vocabulary entries per parallel chunk (a multiple of 16)
 
 inline v16s lanes16(const float* p) {
@@ -2095,6 +2196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_float64_attention", [](bool on) { g_float64_attention = on; },
         "bfloat16 attention through the float64 kernel (True) or the float32 one where built (False)");
   m.def("softmax_topk", &softmax_topk, "the k most probable entries of softmax((base + bias) / t), per row");
+  m.def("inverse_cdf_draws", &inverse_cdf_draws, "one inverse-CDF draw a row of softmax(logits / t), min-p applied");
   m.def("medusa_paths", &medusa_paths, "Medusa's dynamic-tree candidates: heads' top k, path products, ranking");
   m.def("rank_nodes", &rank_nodes, "draft nodes' scores calibrated by depth, cut at a depth, sorted (cost_model.ranked_scores)");
   m.def("tree_search", &tree_search, "a whole draft-tree search for a vanilla Markov head (drafting.draft_trees)");

@@ -190,6 +190,19 @@ def softmax_topk(base: torch.Tensor, bias: torch.Tensor | None, scale: torch.Ten
     return torch.softmax(logits if scale is None else logits / scale, dim=-1).topk(k, dim=-1)
 
 
+def inverse_cdf_draws(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                      u: torch.Tensor) -> torch.Tensor | None:
+    """One draw a row of ``logits`` [n, V] at ``temperature`` [n] with ``min_p`` [n] by the uniforms ``u`` [n]
+    (``sample.sampler.draw``) in one pass of the C++ op, without a softmax, a float64 cumsum and a search
+    over the row as tensors; None where the op does not apply (not a CPU float32 tensor, no extension)."""
+    ops = active() if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 else None
+    if ops is None:
+        return None
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return ops.inverse_cdf_draws(logits, temperature, min_p, u)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` of ``gate_up`` [..., 2 n] (gate | up), the same bits: one pass through the
     extension for bfloat16 on the CPU outside autograd, else PyTorch's two ops."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, argmax, filtered_logits, inverse_cdf
+from specserve.sample.sampler import SamplingBatch, argmax, draw
 from specserve.sample.tree import TreeBuffers
 
 _MASK = (1 << 64) - 1
@@ -52,9 +52,8 @@ def coupled_tokens(logits: torch.Tensor, sb_row: SamplingBatch, seed: int, posit
     if bool(sb_row.greedy[0]):
         return argmax(logits).tolist()
     n = logits.shape[0]
-    probs = filtered_logits(logits.float(), sb_row.repeat([n]) if n > 1 else sb_row).softmax(-1)
     u = torch.tensor([position_uniform(seed, t) for t in positions], dtype=torch.float64)
-    return inverse_cdf(probs, u).tolist()
+    return draw(logits, sb_row.repeat([n]) if n > 1 else sb_row, u.to(logits.device)).tolist()
 
 
 def verify_chain_coupled(drafts: list[int], logits: torch.Tensor, sb_row: SamplingBatch, seed: int,
@@ -63,14 +62,11 @@ def verify_chain_coupled(drafts: list[int], logits: torch.Tensor, sb_row: Sampli
     the absolute position of the token that follows the verified prefix) -> the emitted tokens: the
     drafts up to the first one that differs from the target's token, then the target's token there
     (or the bonus token after all k)."""
-    k = len(drafts)
-    y = coupled_tokens(logits[: k + 1], sb_row, seed, list(range(first_position, first_position + k + 1)))
-    out = []
-    for d, t in zip(drafts, y):
-        out.append(t)
-        if d != t:
-            return out
-    out.append(y[k])
+    out: list[int] = []
+    for j in range(len(drafts) + 1):  # a position's token is drawn only where every draft before it held
+        out += coupled_tokens(logits[j : j + 1], sb_row, seed, [first_position + j])
+        if j == len(drafts) or drafts[j] != out[-1]:
+            break
     return out
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SamplingParams
+from specserve.layers import cpu_ops
 from specserve.layers.cpu_ops import argmax
 
 
@@ -121,14 +122,38 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(i, last).squeeze(-1)
 
 
+def draw(logits: torch.Tensor, sb: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
+    """One draw a row from the distribution plain sampling draws from (:func:`filtered_logits`' softmax):
+    logits [N, V] (``sb``: their rows' settings, none greedy), uniforms ``u`` [N] float64 -> token ids [N]
+    (long). Rows without top-k and top-p take one pass of the C++ op on a CPU
+    (``cpu_ops.inverse_cdf_draws``: the same inverse-CDF rule, each token's weight ``exp(l / t - max)`` to
+    float32 rounding, summed in float64 block by block), the others :func:`inverse_cdf` of the softmax.
+    Which rule a row takes depends on its own settings and the device alone, so each request always draws
+    by the same one (what coupled sampling's guarantee needs), whatever shares its batch."""
+    fast = [i for i, p in enumerate(sb.params) if p.top_k <= 0 and p.top_p >= 1.0]
+    n = logits.shape[0]
+    drawn = None
+    if fast:
+        rows = fast if len(fast) < n else slice(None)
+        drawn = cpu_ops.inverse_cdf_draws(logits[rows].float(), sb.temperature[rows], sb.min_p[rows], u[rows])
+    if drawn is None:
+        return inverse_cdf(filtered_logits(logits.float(), sb).softmax(-1), u)
+    if len(fast) == n:
+        return drawn
+    rest = sorted(set(range(n)) - set(fast))
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    out[fast] = drawn
+    out[rest] = inverse_cdf(filtered_logits(logits[rest].float(), sb.subset(rest)).softmax(-1), u[rest])
+    return out
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (long)."""
     greedy_tokens = argmax(logits)
     if sb.all_greedy:
         return greedy_tokens
     rows = [i for i, g in enumerate(sb.greedy.tolist()) if not g]  # greedy rows draw no randomness
-    probs = filtered_logits(logits[rows].float(), sb.subset(rows)).softmax(-1)
-    u = torch.cat([uniforms(1, sb.generators[i], probs.device) for i in rows])
+    u = torch.cat([uniforms(1, sb.generators[i], logits.device) for i in rows])
     out = greedy_tokens.clone()
-    out[rows] = inverse_cdf(probs, u)
+    out[rows] = draw(logits[rows], sb.subset(rows) if len(rows) < len(sb.params) else sb, u)
     return out

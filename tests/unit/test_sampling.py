@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.sample.sampler import SamplingBatch, filtered_logits, inverse_cdf, sample, uniforms
+from specserve.layers import cpu_ops
+from specserve.sample import sampler
+from specserve.sample.sampler import SamplingBatch, draw, filtered_logits, inverse_cdf, sample, uniforms
 
 
 def _batch(params, seed=0):
@@ -75,6 +77,52 @@ def test_inverse_cdf_draws_from_p_and_never_a_zero_token():
     a = [int(inverse_cdf(p, uniforms(1, torch.Generator().manual_seed(s))[0])) for s in range(20)]
     assert a == [int(inverse_cdf(p, uniforms(1, torch.Generator().manual_seed(s))[0])) for s in range(20)]
     assert len(set(a)) > 1
+
+
+@pytest.mark.skipif(cpu_ops.get() is None, reason="the C++ extension did not build here (the fallback runs)")
+def test_draw_op_is_the_inverse_cdf_of_the_filtered_softmax(monkeypatch):
+    """``draw``'s C++ op (rows without top-k and top-p on a CPU): the token of ``inverse_cdf`` over
+    ``filtered_logits``' softmax for the same uniform, at temperatures and min-p values, vocabularies whose
+    size is no multiple of the op's blocks, u = 0 and u just under 1; draws from p (chi-square), never a token
+    under min-p; and each row takes its rule by its own settings, whatever shares the call."""
+    g = torch.Generator().manual_seed(0)
+    for V, n in ((49152, 300), (1, 20), (17, 200), (100, 400), (257, 200)):
+        logits = torch.randn(n, V, generator=g) * 4
+        params = [SamplingParams(temperature=float(t), min_p=float(m) if i % 3 == 0 else 0.0)
+                  for i, (t, m) in enumerate(zip(torch.rand(n, generator=g) * 1.5 + 0.1, torch.rand(n, generator=g) * 0.3))]
+        params[:2] = [SamplingParams(temperature=1.0)] * min(n, 2)  # no weight below exp(-87) (the op's 0)
+        sb = _batch(params)
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        u[:2] = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)[: min(n, 2)]
+        want = inverse_cdf(filtered_logits(logits, sb).softmax(-1), u)
+        got = cpu_ops.inverse_cdf_draws(logits, sb.temperature, sb.min_p, u)
+        assert got.tolist() == want.tolist(), V
+    # the tail that no draw may reach: no mass past the last kept token, none below min-p
+    logits = torch.full((2, 40), -30.0)
+    logits[:, [3, 7, 8]] = torch.tensor([2.0, 3.0, 0.2])
+    last = torch.tensor([1 - 2**-53, 1 - 2**-53], dtype=torch.float64)
+    assert cpu_ops.inverse_cdf_draws(logits, torch.ones(2), torch.tensor([0.0, 0.1]), last).tolist() == [39, 7]
+    p = (logits[0] / 0.7).softmax(-1)
+    n = 20000
+    sb = _batch([SamplingParams(temperature=0.7, min_p=0.05)] * n)
+    counts = torch.bincount(draw(logits[:1].expand(n, 40), sb, uniforms(n, g)), minlength=40).double()
+    kept = p >= 0.05 * p.max()
+    assert counts[~kept].sum() == 0
+    expected = n * p[kept].double() / p[kept].sum()
+    assert float(((counts[kept] - expected) ** 2 / expected).sum()) < 13.8  # 2 degrees of freedom, p 0.001
+    # routing: a row with top-k or top-p goes to the PyTorch rule, the others to the op, in any company
+    seen = []
+    op = cpu_ops.inverse_cdf_draws
+    monkeypatch.setattr(cpu_ops, "inverse_cdf_draws", lambda x, *a: seen.append(x.shape[0]) or op(x, *a))
+    mixed = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.8),
+             SamplingParams(temperature=0.5, top_k=5), SamplingParams(temperature=1.3, min_p=0.1)]
+    logits = torch.randn(4, 300, generator=g)
+    u = torch.rand(4, generator=g, dtype=torch.float64)
+    together = draw(logits, _batch(mixed), u).tolist()
+    assert seen == [2]
+    alone = [int(draw(logits[i : i + 1], _batch([mixed[i]]), u[i : i + 1])[0]) for i in range(4)]
+    assert together == alone and seen == [2, 1, 1]
+    assert sampler.draw is draw
 
 
 def test_seeded_request_same_output_in_any_batch(tiny_llama):
