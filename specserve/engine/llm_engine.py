@@ -106,8 +106,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self.verifier = Verifier(cfg.sampling_mode, self.proposer.lossy_verify, self.runner.compact)
-        # speculation_gate: draft only at batch sizes where it pays (``SpeculationGate``)
-        self.gate = SpeculationGate() if cfg.speculation_gate and self.proposer.num_speculative_tokens else None
+        # speculation_gate: draft only for kinds of batch where it pays (``SpeculationGate``, ``gate_key``)
+        self.gate = (SpeculationGate(keep_probing=lambda key: key == (1, True))
+                     if cfg.speculation_gate and self.proposer.num_speculative_tokens else None)
         self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -283,7 +284,7 @@ class LLMEngine:
         """One decoding step of the running batch: blocks -> drafts -> one target forward -> verification
         -> the emitted tokens appended."""
         t0 = time.perf_counter()
-        drafting = self.gate is None or self.gate.draft(len(self.running))
+        drafting = self.gate is None or self.gate.draft(self.gate_key(self.running))
         budgets = self._reserve_blocks(drafting)
         seqs = self.running
         if not seqs:
@@ -304,7 +305,13 @@ class LLMEngine:
         if len(seqs) == 1:  # what verifying that many tokens costs in the engine (the drafter's cost model)
             self.proposer.step_cost(len(batch.tokens[0]), t1 - t_verify)
         if self.gate is not None and (any(budgets) or not drafting):  # a step that could draft, or chose not to
-            self.gate.record(len(seqs), drafting, emitted, seconds)
+            self.gate.record(self.gate_key(seqs), drafting, emitted, seconds)
+
+    @staticmethod
+    def gate_key(seqs) -> tuple[int, bool]:
+        """The speculation gate's kind of batch: its size, and whether every request in it is greedy
+        (sampled requests accept fewer drafts: their rates are kept apart)."""
+        return len(seqs), all(s.params.greedy for s in seqs)
 
     def _propose(self, seqs, budgets: list[int]) -> Drafts:
         """The drafter's chains or trees within ``budgets``; no drafts where a tree needs more KV blocks
