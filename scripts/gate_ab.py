@@ -3,10 +3,12 @@ use: greedy requests one at a time, sampled ones (temperature 0.8, seeded: with 
 still equals plain decoding's) and greedy batches of 4. Held-out category prompts; prints per kind each
 engine's speed over plain decoding, its mean acceptance length and how many answers equal plain decoding's.
 An engine is the method's default configuration with some keys changed: ``LABEL={json}`` entries separated by
-';', where the key ``speculation_gate`` goes to ``LLM`` and the rest to ``speculative_config``. The figures of
+';', where the key ``speculation_gate`` goes to ``LLM``, ``probe_every``, ``max_probe_every``, ``decay`` and
+``warmup`` to its ``SpeculationGate``, and the rest to ``speculative_config``. The figures of
 docs/drafters-by-category.md's thirtieth round come from ``python scripts/gate_ab.py --method medusa
 --num-prompts 5 --variants 'nospec={"speculation_gate": false};neither={"speculation_gate": false,
-"draft_gate": false}'`` (and ``--method dspark``). Each kind answers prompts of its own: a drafter's n-gram pool
+"draft_gate": false}'`` (and ``--method dspark``), the thirty-first round's from ``--variants
+'nobackoff={"max_probe_every": 16}'``. Each kind answers prompts of its own: a drafter's n-gram pool
 keeps earlier answers, and greedy answers to the same prompt repeat word for word."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from specserve.bench.categories import category_prompts, interleaved_chats, pars
 from specserve.bench.serve_bench import parse_configs
 
 KINDS = {"greedy": (1, 0.0), "sampled": (1, 0.8), "batch4": (4, 0.0)}  # requests a call, temperature
+GATE_KEYS = {"probe_every", "max_probe_every", "decay", "warmup"}  # the speculation gate's own settings
 
 
 def main() -> None:
@@ -35,9 +38,13 @@ def main() -> None:
     for label, settings in parse_configs(args.variants):
         if not isinstance(settings, dict):
             raise SystemExit(f"--variants: {label} is not LABEL={{json object}}")
-        spec = {k: v for k, v in settings.items() if k != "speculation_gate"}
+        spec = {k: v for k, v in settings.items() if k != "speculation_gate" and k not in GATE_KEYS}
         engines[label] = LLM(speculative_config={"method": args.method, **spec},
                              speculation_gate=settings.get("speculation_gate"))
+        for k in GATE_KEYS.intersection(settings):
+            if engines[label].engine.gate is None:
+                raise SystemExit(f"--variants: {label} sets {k} with the speculation gate off")
+            setattr(engines[label].engine.gate, k, settings[k])
     n = args.num_prompts
     held_out = category_prompts("categories")
     per_category = collections.Counter(c for c, _ in held_out)

@@ -88,8 +88,9 @@ def test_draw_op_is_the_inverse_cdf_of_the_filtered_softmax(monkeypatch):
     g = torch.Generator().manual_seed(0)
     for V, n in ((49152, 300), (1, 20), (17, 200), (100, 400), (257, 200)):
         logits = torch.randn(n, V, generator=g) * 4
+        temps, min_ps = torch.rand(n, generator=g) * 1.5 + 0.1, torch.rand(n, generator=g) * 0.3
         params = [SamplingParams(temperature=float(t), min_p=float(m) if i % 3 == 0 else 0.0)
-                  for i, (t, m) in enumerate(zip(torch.rand(n, generator=g) * 1.5 + 0.1, torch.rand(n, generator=g) * 0.3))]
+                  for i, (t, m) in enumerate(zip(temps, min_ps))]
         params[:2] = [SamplingParams(temperature=1.0)] * min(n, 2)  # no weight below exp(-87) (the op's 0)
         sb = _batch(params)
         u = torch.rand(n, generator=g, dtype=torch.float64)
