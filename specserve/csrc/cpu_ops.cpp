@@ -1564,13 +1564,8 @@ at::Tensor inverse_cdf_draws(const at::Tensor& logits, const at::Tensor& t, cons
   const double* pu = uu.data_ptr<double>();
   int64_t* po = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(pt[r] > 0.0f, "inverse_cdf_draws: temperatures must be > 0");
-  auto run = [&](int64_t r0, int64_t r1) {
-    std::vector<double> blocks;
-    for (int64_t r = r0; r < r1; ++r) {
-      po[r] = draw_row(pl + r * logits.stride(0), V, pt[r], pm[r], pu[r], blocks);
-    }
-  };
-  run(0, n);
+  std::vector<double> blocks;  // rows one after another: a few a call, each ~V / 16 vector steps
+  for (int64_t r = 0; r < n; ++r) po[r] = draw_row(pl + r * logits.stride(0), V, pt[r], pm[r], pu[r], blocks);
   return out;
 }
 

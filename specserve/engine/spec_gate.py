@@ -12,14 +12,13 @@ from collections.abc import Callable, Hashable
 class SpeculationGate:
     """Per key (a kind of batch: the engine's ``LLMEngine.gate_key``), exponentially weighted tokens per
     second of decoding steps with drafts and of steps without. A key drafts until both rates are known
-    (its first steps measure each),
-    then takes the faster choice, trying the other one now and then so that both estimates stay
-    current as prompts and machine load change: ``probe_every`` steps after the choice was made, then
-    twice as long after each probe that leaves it standing, up to ``max_probe_every`` (a probe of
-    drafting in a large batch verifies many tokens and can cost a few plain steps), back to
-    ``probe_every`` when the choice flips. Keys for which ``keep_probing(key)`` holds probe every
-    ``probe_every`` steps throughout (the engine's single greedy requests: their text has stretches
-    where drafting pays, which frequent probes find)."""
+    (its first steps measure each), then takes the faster choice, trying the other one now and then so
+    that both estimates stay current as prompts and machine load change: ``probe_every`` steps after
+    the choice was made, then twice as long after each probe that leaves it standing, up to
+    ``max_probe_every`` (a probe of drafting in a large batch verifies many tokens and can cost a few
+    plain steps), back to ``probe_every`` when the choice flips. Keys for which ``keep_probing(key)``
+    holds probe every ``probe_every`` steps throughout (the engine's single greedy requests: their text
+    has stretches where drafting pays, which frequent probes find)."""
 
     def __init__(self, probe_every: int = 16, decay: float = 0.8, warmup: int = 2, max_probe_every: int = 256,
                  keep_probing: Callable[[Hashable], bool] = lambda key: False):
