@@ -1,6 +1,6 @@
-"""The speculation gate: per batch size, draft while steps with drafts emit tokens faster than steps
-without; back off where they do not, probing now and then (less often while the choice stands); the
-output never changes."""
+"""The speculation gate: per kind of batch (size; greedy or sampled), draft while steps with drafts emit
+tokens faster than steps without; back off where they do not, probing now and then (less often while
+the choice stands); the output never changes."""
 
 import time
 from types import SimpleNamespace
