@@ -130,20 +130,21 @@ def draw(logits: torch.Tensor, sb: SamplingBatch, u: torch.Tensor) -> torch.Tens
     float32 rounding, summed in float64 block by block), the others :func:`inverse_cdf` of the softmax.
     Which rule a row takes depends on its own settings and the device alone, so each request always draws
     by the same one (what coupled sampling's guarantee needs), whatever shares its batch."""
-    fast = [i for i, p in enumerate(sb.params) if p.top_k <= 0 and p.top_p >= 1.0]
     n = logits.shape[0]
-    drawn = None
+    fast = [i for i, p in enumerate(sb.params) if p.top_k <= 0 and p.top_p >= 1.0]
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
     if fast:
         rows = fast if len(fast) < n else slice(None)
         drawn = cpu_ops.inverse_cdf_draws(logits[rows].float(), sb.temperature[rows], sb.min_p[rows], u[rows])
-    if drawn is None:
-        return inverse_cdf(filtered_logits(logits.float(), sb).softmax(-1), u)
-    if len(fast) == n:
-        return drawn
-    rest = sorted(set(range(n)) - set(fast))
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    out[fast] = drawn
-    out[rest] = inverse_cdf(filtered_logits(logits[rest].float(), sb.subset(rest)).softmax(-1), u[rest])
+        if drawn is None:  # no op here: every row by the PyTorch rule
+            fast = []
+        else:
+            out[rows] = drawn
+    taken = set(fast)
+    rest = [i for i in range(n) if i not in taken]
+    if rest:
+        rows, sub = (rest, sb.subset(rest)) if len(rest) < n else (slice(None), sb)
+        out[rows] = inverse_cdf(filtered_logits(logits[rows].float(), sub).softmax(-1), u[rows])
     return out
 
 
