@@ -92,14 +92,13 @@ class Sequence:
 
     def record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
         """``tokens[j]`` was emitted from the target's raw ``logits[j]`` [n, V]: keep its log-probability
-        (log-softmax of the target's logits, whatever the sampling settings) and the top alternatives."""
+        (log-softmax of the target's logits, whatever the sampling settings) and the top alternatives, equal
+        values in token id order (as greedy decoding's argmax takes the first)."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1))[:, 0].tolist()
         k = self.params.logprobs or 0
-        top = lp.topk(k, dim=-1) if k else None
         for j, v in enumerate(chosen):
-            alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else []
-            self.logprobs.append((v, alts))
+            self.logprobs.append((v, top_alternatives(lp[j], k) if k else []))
 
     def _finish(self, reason: str, stop_reason=None) -> None:
         if not isinstance(stop_reason, str):  # flush bytes held back for an incomplete character
@@ -150,3 +149,13 @@ class Sequence:
     def to_output(self) -> RequestOutput:
         comp = CompletionOutput(0, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)
         return RequestOutput(str(self.seq_id), self.prompt, list(self.prompt_ids), [comp], self.finished)
+
+
+def top_alternatives(lp: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` largest entries of ``lp`` [V] as (token id, value), largest first, equal values in id
+    order (``topk`` orders ties as it likes: a tie for the first place would name another token than
+    the one greedy decoding emitted)."""
+    cut = lp.topk(k).values[-1]
+    ids = (lp >= cut).nonzero()[:, 0]  # every entry tied with the k-th too, in id order
+    order = torch.sort(lp[ids], descending=True, stable=True).indices[:k]
+    return list(zip(ids[order].tolist(), lp[ids[order]].tolist()))

@@ -3,8 +3,10 @@
 import math
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
+from specserve.engine.sequence import top_alternatives
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +74,15 @@ def test_no_logprobs_unless_asked(plain):
     while not seq.finished:
         plain.engine.step()
     assert seq.logprobs is None
+
+
+def test_top_alternatives_order_ties_by_token_id():
+    """Equal log-probabilities come in token id order, the first as greedy decoding's argmax: ``topk`` alone
+    may name another token first (it did, on the default model with 8-bit activations)."""
+    lp = torch.full((1000,), -20.0)
+    lp[[700, 12, 400]] = -0.5
+    lp[[900, 3]] = -2.0
+    top = top_alternatives(lp, 4)
+    assert [t for t, _ in top] == [12, 400, 700, 3] and int(lp.argmax()) == top[0][0]
+    assert [v for _, v in top] == [-0.5, -0.5, -0.5, -2.0]
+    assert top_alternatives(lp, 1) == [(12, -0.5)]
