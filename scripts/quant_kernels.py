@@ -44,6 +44,10 @@ def main() -> None:
     if ops is not None and ops.group_gemm_available():
         formats["int4-g32, group kernel"] = lambda w: GroupKernel(quantize(w, 4, 32), ops)
         formats["8bit-g32 (Q8_0), group kernel"] = lambda w: GroupKernel(quantize(w, 8, 32), ops)
+    if ops is not None and ops.group_gemm_a8_available():
+        formats["int4-g32, 8-bit activations"] = lambda w: GroupKernel(quantize(w, 4, 32), ops, int8_activations=True)
+        formats["8bit-g32 (Q8_0), 8-bit activations"] = lambda w: GroupKernel(quantize(w, 8, 32), ops,
+                                                                                int8_activations=True)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"ms per pass over every linear of SmolLM2-135M (30 layers + LM head), {args.threads} threads")
     print("| format | " + " | ".join(f"{m} rows" for m in rows) + " |")

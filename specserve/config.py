@@ -279,6 +279,9 @@ SPECULATION_GATE = True
 # linears int4 in groups of 32, embedding / LM head int8 per output channel (``layers.quant``)
 QUANTIZATION_NAMES = ("auto", "none", "gguf", "int8", "int4")  # as written on the command line
 QUANTIZATIONS = (None, *QUANTIZATION_NAMES)  # as LLM takes them
+# what a quantized weight's group kernel multiplies: "bfloat16" activations (every product of a code and an
+# activation exact), or "int8": x in 8-bit groups of 32 as llama.cpp's kernels take it (``layers.quant``)
+ACTIVATIONS = ("bfloat16", "int8")
 
 
 @dataclass
@@ -294,10 +297,12 @@ class EngineConfig:
     sequences of max_model_len, at most a quarter of the machine's memory; reserved, resident as used).
     enable_prefix_caching: requests share the cached blocks of a common prompt prefix.
     speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than plain
-    steps (measured online, ``engine.spec_gate``); False: every step drafts; None: ``SPECULATION_GATE``."""
+    steps (measured online, ``engine.spec_gate``); False: every step drafts; None: ``SPECULATION_GATE``.
+    activations: what a quantized model's group kernels multiply (``ACTIVATIONS``; ``layers.quant``)."""
 
     dtype: str = "auto"
     quantization: str | None = "auto"
+    activations: str = "bfloat16"
     tensor_parallel_size: int = 1
     max_num_seqs: int = 16
     max_model_len: int | None = None
@@ -342,6 +347,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                              f"got {self.quantization!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
 
 
 def cache_root() -> Path:

@@ -33,6 +33,10 @@ class LLM:
     speculation_gate: draft only at batch sizes where steps with drafts emit tokens faster than steps
         without (measured online: ``specserve.engine.spec_gate``); None (the default): on; False: every
         step drafts (what vLLM does).
+    activations: what a quantized model's weights multiply: "bfloat16" (default: every product of a
+        code and an activation exact) or "int8" (x in 8-bit groups of 32, as llama.cpp's kernels take it:
+        cheaper verification, other tokens in places; quantization "gguf" or "int4", the C++ kernel on
+        AVX-512 VNNI or AVX2). See ``docs/quantization.md``.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
@@ -40,10 +44,10 @@ class LLM:
                  max_model_len: int | None = None, device: str | None = "auto", num_threads: int | None = None,
                  prefill_chunk: int = 512, quantization: str | None = "auto", sampling_mode: str = "coupled",
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = True,
-                 speculation_gate: bool | None = None):
+                 speculation_gate: bool | None = None, activations: str = "bfloat16"):
         gc.collect()  # an engine dropped before this one (its model and drafter hold reference cycles) goes first
         cfg = EngineConfig(speculative=SpeculativeConfig.from_dict(speculative_config), dtype=dtype,
-                           quantization=quantization,
+                           quantization=quantization, activations=activations,
                            tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
                            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
                            prefill_chunk=prefill_chunk, sampling_mode=sampling_mode,

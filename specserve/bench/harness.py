@@ -128,6 +128,7 @@ class BenchContext:
     quantization: str | None = None  # resolved: None (dense), "gguf", "int8" or "int4"
     sampling_mode: str = "coupled"  # the specserve rows' ``LLM(sampling_mode=...)``
     speculation_gate: bool | None = None  # the specserve rows' ``LLM(speculation_gate=...)`` (None: its default)
+    activations: str = "bfloat16"  # the specserve rows' ``LLM(activations=...)``
 
 
 @dataclass
@@ -209,14 +210,17 @@ class SpecserveSession(Session):
         self.tp = tp = ctx.tensor_parallel_size
         self.llm = LLM(model=ctx.model, dtype=ctx.dtype, seed=ctx.seed, num_threads=max(1, ctx.threads // tp),
                        device=ctx.device, quantization=ctx.quantization, sampling_mode=ctx.sampling_mode,
-                       speculation_gate=ctx.speculation_gate, max_num_seqs=1, tensor_parallel_size=tp, **kwargs)
+                       speculation_gate=ctx.speculation_gate, max_num_seqs=1, tensor_parallel_size=tp,
+                       activations=ctx.activations, **kwargs)
         try:
             runner = self.llm.engine.runner
             ran = (str(getattr(runner, "dtype", ctx.dtype)).removeprefix("torch."),
-                   getattr(runner, "quantization", ctx.quantization))
-            if ran != (ctx.dtype, ctx.quantization):  # the row's label must be what runs
-                raise BenchError(f"asked for dtype {ctx.dtype} with quantization {ctx.quantization}, "
-                                 f"the engine loaded {ran[0]} with {ran[1]}")
+                   getattr(runner, "quantization", ctx.quantization),
+                   "int8" if getattr(runner, "int8_activations", ctx.activations == "int8") else "bfloat16")
+            if ran != (ctx.dtype, ctx.quantization, ctx.activations):  # the row's label must be what runs
+                raise BenchError(f"asked for dtype {ctx.dtype} with quantization {ctx.quantization} and "
+                                 f"{ctx.activations} activations, the engine loaded {ran[0]} with {ran[1]} and "
+                                 f"{ran[2]}")
             self._generate(ctx.prompt_ids[0], WARMUP_TOKENS, 0)
             self.llm.reset_metrics()
             self.prompt_metrics: dict[int, SpecMetrics] = {}
@@ -634,13 +638,12 @@ def parse_formats(dtypes: str | list[str], quantizations: str | list[str], model
     return list(dict.fromkeys(resolve_format(d, q, model, device, tensor_parallel_size) for d in ds for q in qs))
 
 
-def weights_label(quantization: str | None, gguf_type: str | None = None) -> str:
-    """The weight format as the table shows it: dense, int8, int4, gguf Q4_1."""
+def weights_label(quantization: str | None, gguf_type: str | None = None, activations: str = "bfloat16") -> str:
+    """The weight format as the table shows it: dense, int8, int4, gguf Q4_1; ", a8" with 8-bit activations."""
     if quantization is None:
         return "dense"
-    if quantization == "gguf" and gguf_type:
-        return f"gguf {gguf_type}"
-    return quantization
+    label = f"gguf {gguf_type}" if quantization == "gguf" and gguf_type else quantization
+    return label + (", a8" if activations == "int8" else "")
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -662,7 +665,8 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
               log: Callable[[str], None] | None = None, tensor_parallel_size: int = 1,
               interleave: bool = True, device: str | None = "auto",
               quantizations: str | list[str] = "auto", sampling_mode: str = "coupled",
-              speculative_configs: list[str] | dict | None = None, speculation_gate: bool | None = None) -> list[dict]:
+              speculative_configs: list[str] | dict | None = None, speculation_gate: bool | None = None,
+              activations: str = "bfloat16") -> list[dict]:
     """Run every method at every (dtype, weight format) pair; returns one row (a dict) per (dtype,
     quantization, method). ``interleave`` (one process only): see ``_run_methods``."""
 
@@ -725,7 +729,7 @@ def run_bench(model: str | None = None, methods: str | list[str] = "none,hf", pr
     rows = []
     for dtype, quant in groups:
         ctx = BenchContext(model, model_dir, dtype, prompt_ids, eos_ids, max_tokens, temperature, seed, threads,
-                           tensor_parallel_size, device, quant, sampling_mode, speculation_gate)
+                           tensor_parallel_size, device, quant, sampling_mode, speculation_gate, activations)
         ran = [n for n in names if not getattr(runners[n], "derived", False)]
         results = _run_methods(runners, ran, ctx, interleaved, log)
         for n in names:  # rows computed from plain decoding's outputs (the oracle n-gram)
@@ -785,7 +789,8 @@ def group_rows(names: list[str], runners: dict, results: dict[str, MethodResult]
             "method": name,
             "dtype": ctx.dtype,
             "quantization": quant,
-            "weights": weights_label(quant, gguf_type),
+            "weights": weights_label(quant, gguf_type, ctx.activations if isinstance(runner, SpecserveMethod)
+                                     else "bfloat16"),
             "tokens_per_s": None if derived else round(tps, 3),
             "speedup_vs_none": round(tps / base_tps, 4) if base_tps and not derived else None,
         }
@@ -835,7 +840,8 @@ def _run_methods(runners: dict, names: list[str], ctx: BenchContext, interleave:
     Else one method after the other (tensor parallelism: one set of worker processes at a time)."""
     n = len(ctx.prompt_ids)
     where = f"{ctx.threads} threads" if ctx.device == "cpu" else ctx.device
-    what = f"({ctx.dtype}, {weights_label(ctx.quantization)} weights, {n} prompts x {ctx.max_tokens} tokens, {where})"
+    what = (f"({ctx.dtype}, {weights_label(ctx.quantization, activations=ctx.activations)} weights, {n} prompts x "
+            f"{ctx.max_tokens} tokens, {where})")
     if not interleave:
         out = {}
         for name in names:

@@ -4,7 +4,8 @@ GGUF's own quantization cost in quality next to dense float32 / bfloat16 weights
 A *format* is a (dtype, quantization) pair given to ``LLM(model, dtype=..., quantization=...)``:
 ``float32`` (float32, dense), ``bfloat16`` (bfloat16, dense), ``int8``, ``int4`` and ``gguf`` (the
 engine's dtype for quantized weights, weights int8 / int4 / the GGUF file's own blocks; ``gguf`` only
-for a .gguf model or the default model), or ``DTYPE+QUANTIZATION`` (e.g. ``float32+int8``).
+for a .gguf model or the default model), ``int4-a8`` and ``gguf-a8`` (those weights with 8-bit activations,
+``LLM(activations="int8")``), or ``DTYPE+QUANTIZATION`` (e.g. ``float32+int8``).
 
 The text is tokenized once (no special tokens) and cut to ``max_tokens``; it goes through the target in
 windows of ``context`` tokens (each window starts from an empty cache at position 0, with the
@@ -44,7 +45,8 @@ CHUNK = 256  # tokens per forward
 MAX_TOKENS = 4096  # tokens of text evaluated by default
 # format name -> (dtype, quantization) given to LLM
 FORMATS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("auto", "int8"),
-           "int4": ("auto", "int4"), "gguf": ("auto", "gguf")}
+           "int4": ("auto", "int4"), "gguf": ("auto", "gguf"), "int4-a8": ("auto", "int4"), "gguf-a8": ("auto", "gguf")}
+INT8_ACTIVATIONS = ("int4-a8", "gguf-a8")  # formats whose weights multiply x in 8-bit groups
 
 
 @dataclass
@@ -52,6 +54,7 @@ class WeightFormat:
     name: str  # as the table shows it: float32, int8, bfloat16+int8, ...
     dtype: str  # given to LLM
     quantization: str | None  # given to LLM (None: dense)
+    activations: str = "bfloat16"  # given to LLM
 
 
 def default_formats(model=None, device: str = "cpu") -> list[str]:
@@ -82,7 +85,7 @@ def parse_formats(spec: str | list[str] | None, model=None, device: str = "cpu")
         if quant == "gguf" and model_gguf_path(model) is None:
             raise BenchError(f"--formats: format {name!r} needs a .gguf model (or the default model), "
                              f"got --model {model}")
-        out.append(WeightFormat(name, dtype, quant))
+        out.append(WeightFormat(name, dtype, quant, "int8" if name in INT8_ACTIVATIONS else "bfloat16"))
     return out
 
 
@@ -203,7 +206,7 @@ def evaluate(model: str | None = None, formats: str | list[str] | None = None, t
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         llm = LLM(model=model, dtype=f.dtype, quantization=f.quantization, num_threads=threads, device=device,
-                  max_num_seqs=1)
+                  max_num_seqs=1, activations=f.activations)
         load_s = time.perf_counter() - t0
         try:
             runner = llm.engine.runner

@@ -1108,13 +1108,19 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, int64_t vec) {
 // quant_gemm.cpp
 at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile);
 bool group_gemm_available();
+// quant_gemm_a8.cpp
+at::Tensor group_gemm_a8(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile);
+bool group_gemm_a8_available();
 
 namespace {
+
+constexpr int64_t kInt8Activations = 16;  // a linear's ``bits`` with this flag: group_gemm_a8's layout
 
 // x [rows, K] -> [rows, n] through a group-quantized weight (its padded output columns dropped)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t grain,
                   int64_t tile) {
-  auto y = group_gemm(x, packed, bits, grain, tile);
+  auto y = bits & kInt8Activations ? group_gemm_a8(x, packed, bits & ~kInt8Activations, grain, tile)
+                                   : group_gemm(x, packed, bits, grain, tile);
   return y.size(1) == n ? y : y.narrow(1, 0, n);
 }
 
@@ -2204,4 +2210,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer,
         "a Llama / Qwen3 decoder layer, bfloat16, group-quantized linears, batch-invariant attention");
   m.def("group_gemm_available", &group_gemm_available, "whether this build has group_gemm");
+  m.def("group_gemm_a8", &group_gemm_a8,
+        "x W^T as group_gemm with x in 8-bit groups of 32 (layers.quant.pack_groups with int8_activations), bfloat16");
+  m.def("group_gemm_a8_available", &group_gemm_a8_available, "whether this build has group_gemm_a8");
 }

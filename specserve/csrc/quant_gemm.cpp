@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "quant_gemm.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,11 +36,8 @@
 #if defined(SPECSERVE_GROUP_GEMM)
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kRows = 16;
-constexpr int64_t kQ4Block = 256 + 64;  // 8 chunks of codes, 16 fp16 d, 16 fp16 m
-constexpr int64_t kQ8Block = 512 + 32;  // 16 chunks of int8 codes, 16 fp16 d
-constexpr int kMaxTile = 8;
+using specserve_quant::kGroup, specserve_quant::kRows, specserve_quant::kQ4Block, specserve_quant::kQ8Block,
+    specserve_quant::kMaxTile;
 
 // one call: x [M, K], the packed weight w (groups of 32 columns), xs each group's sum of x, y [M, N]
 struct GemmCall {
@@ -256,14 +255,7 @@ void group_sums(const at::BFloat16* x, int64_t M, int64_t K, float* xs) {
   }
 }
 
-inline __m128i to_bf16x8(__m256 v) {  // round to nearest even (NaN stays NaN), as vcvtneps2bf16
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
+using specserve_quant::to_bf16x8;
 
 // NH sets of 8 output rows (w[j]: a block's start + 16 bytes for its second half; y[j]: their first
 // output column) over all groups, for MT rows of x (xq: scaled_rows). Each lane's sums form two chains
@@ -406,16 +398,8 @@ struct BlockRun : GemmCall {
 // x [M, K] bfloat16, packed [N / 16, K / 32, block] uint8 (block 320: 4-bit, 544: 8-bit) -> y [M, N] bfloat16.
 // Row blocks are split over the intra-op threads when the call has at least ``grain`` of them per thread.
 at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t grain, int64_t max_tile) {
-  TORCH_CHECK(max_tile >= 1 && max_tile <= kMaxTile, "group_gemm: max_tile must be 1..", kMaxTile);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "group_gemm: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte, "group_gemm: packed must be uint8 [N/16, K/32, B]");
-  TORCH_CHECK(bits == 4 || bits == 8, "group_gemm: bits must be 4 or 8");
-  const bool q8 = bits == 8;
-  TORCH_CHECK(packed.size(2) == (q8 ? kQ8Block : kQ4Block), "group_gemm: packed block size does not match bits");
-  x = x.contiguous();
-  packed = packed.contiguous();
+  const bool q8 = specserve_quant::check_call("group_gemm", x, packed, bits, max_tile);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), groups = packed.size(1), N = NB * kRows;
-  TORCH_CHECK(groups * kGroup == K, "group_gemm: x has ", K, " columns, the weight ", groups * kGroup);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* px = x.data_ptr<at::BFloat16>();

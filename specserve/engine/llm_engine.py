@@ -20,7 +20,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams
 from specserve.device import resolve_device
-from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_quantization
+from specserve.engine.model_runner import ModelRunner, TPRunner, resolve_activations, resolve_quantization
 from specserve.engine.prefix_features import PrefixFeatures
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
@@ -73,14 +73,14 @@ class LLMEngine:
             if device != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs worker processes on CPU (gloo) only for now")
             # before any worker starts: what a sharded model can run (``resolve_quantization``)
-            resolve_quantization(cfg.quantization, cfg.dtype, gguf_source(self.model_dir) is not None, device,
-                                 cfg.tensor_parallel_size)
+            resolve_activations(cfg.activations, resolve_quantization(
+                cfg.quantization, cfg.dtype, gguf_source(self.model_dir) is not None, device, cfg.tensor_parallel_size))
             self.runner = TPRunner(self.model_dir, cfg.tensor_parallel_size, cfg.dtype, cfg.max_num_seqs,
                                    cfg.num_threads, cfg.quantization, cfg.kv_cache_memory, self.max_model_len)
         else:
             self.runner = ModelRunner(self.model_dir, None, cfg.dtype, device, cfg.max_num_seqs,
                                       quantization=cfg.quantization, kv_cache_memory=cfg.kv_cache_memory,
-                                      max_model_len=self.max_model_len)
+                                      max_model_len=self.max_model_len, activations=cfg.activations)
         try:
             self._set_up(cfg)
         except BaseException:  # no worker process outlives a failed start

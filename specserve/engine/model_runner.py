@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import QUANTIZATIONS, ModelConfig
+from specserve.config import ACTIVATIONS, QUANTIZATIONS, ModelConfig
 from specserve.device import resolve_device, resolve_dtype, synchronize
 from specserve.distributed.parallel_state import TPGroup, free_port, init_tp_group
 from specserve.engine.kv_cache import BLOCK_SIZE, KVCache
@@ -29,7 +29,7 @@ from specserve.layers.attention import ForwardContext
 from specserve.layers.embed_head import VocabParallelEmbedding
 from specserve.layers.linear import PackedGEMM, mkldnn_packing_available
 from specserve.layers.packing import make_batch_invariant, pack_linears
-from specserve.layers.quant import PendingQuant, QuantTensor, quantize
+from specserve.layers.quant import PendingQuant, QuantTensor, int8_activations_available, quantize
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import gguf_source, iter_weights, load_weights, read_config
 
@@ -56,6 +56,23 @@ def resolve_quantization(quantization: str | None, dtype, is_gguf: bool, device:
     if q and device != "cpu":
         raise ValueError(f"quantization={q!r} runs on the CPU only; on {device} use quantization=None")
     return q
+
+
+def resolve_activations(activations: str, quantization: str | None) -> bool:
+    """Whether a quantized model's group kernels take x in 8-bit groups of 32 (``layers.quant``, as
+    llama.cpp's kernels do): "int8", which needs weights in groups (quantization "gguf" or "int4") and the
+    C++ kernel (AVX-512 VNNI or AVX2), or "bfloat16" (every product of a code and an activation exact)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations == "bfloat16":
+        return False
+    if quantization not in ("gguf", "int4"):
+        raise ValueError(f"activations='int8' needs weights in groups of 32 (quantization 'gguf' or 'int4'), "
+                         f"got quantization={quantization!r}")
+    if not int8_activations_available():
+        raise ValueError("activations='int8' needs specserve's C++ kernel for it (AVX-512 VNNI or AVX2 + FMA), "
+                         "which this machine does not have; use activations='bfloat16'")
+    return True
 
 
 def _weight_modules(model: torch.nn.Module):
@@ -214,8 +231,8 @@ class DraftTargetView:
     def cost_key(self) -> tuple:
         """What decides the timings taken on this target: the model, weight format, device,
         tensor-parallel size and thread count (the key of the process's tables of measured costs)."""
-        return (str(self.model_dir), repr(self.config), str(self.dtype), self.quantization, self.packed,
-                str(self.device), self.tp.size, torch.get_num_threads())
+        return (str(self.model_dir), repr(self.config), str(self.dtype), self.quantization, self.int8_activations,
+                self.packed, str(self.device), self.tp.size, torch.get_num_threads())
 
     def step_costs(self, sizes: list[int], reps: int = 3) -> dict[int, float]:
         """``measure_step_costs`` of this target, once per process: a later engine with the same
@@ -237,7 +254,7 @@ class StepOutput:
 class ModelRunner(DraftTargetView):
     def __init__(self, model_dir, tp: TPGroup | None = None, dtype="auto", device="cpu", max_num_seqs=16,
                  pack_weights: bool = True, quantization: str | None = "auto", kv_cache_memory: float | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, activations: str = "bfloat16"):
         model_dir = Path(model_dir)
         self.model_dir = model_dir
         self.tp = tp or TPGroup()
@@ -245,6 +262,7 @@ class ModelRunner(DraftTargetView):
         self.quantization = resolve_quantization(quantization, dtype, gguf_source(model_dir) is not None, device,
                                                  self.tp.size)
         self.dtype = resolve_dtype("bfloat16" if self.quantization and dtype == "auto" else dtype, device)
+        self.int8_activations = resolve_activations(activations, self.quantization)
         self.config: ModelConfig = read_config(model_dir)
         with torch.device("cpu"):
             model = LlamaForCausalLM(self.config, self.tp, self.dtype)
@@ -259,7 +277,7 @@ class ModelRunner(DraftTargetView):
         self.model = model.to(device).eval()
         self.packed = device == "cpu" and pack_weights and mkldnn_packing_available(self.dtype)
         if self.packed or self.quantization:
-            pack_linears(self.model)
+            pack_linears(self.model, self.int8_activations)
         # bfloat16 on CPU and quantized weights: verification reproduces one-token decoding bit for bit
         # (float32 needs no help: its row differences, ~5e-5 in the logits, do not move greedy tokens
         # in practice)
@@ -533,6 +551,7 @@ class TPRunner(DraftTargetView):
         self.max_num_seqs = max_num_seqs
         self.model_dir = self.local.model_dir
         self.packed, self.quantization = self.local.packed, self.local.quantization
+        self.int8_activations = self.local.int8_activations  # False: sharded weights are dense
 
     def _await(self, what: str) -> None:
         """Each worker's next message, which must be ``what``; a worker that dies or reports an error

@@ -15,7 +15,7 @@ from specserve import LLM, SamplingParams, __version__
 from specserve.bench import perplexity
 from specserve.bench.categories import format_category_table
 from specserve.bench.harness import PRESETS, format_table, main_log, run_bench, write_json
-from specserve.config import QUANTIZATION_NAMES, SAMPLING_MODES
+from specserve.config import ACTIVATIONS, QUANTIZATION_NAMES, SAMPLING_MODES
 from specserve.models.gguf import convert
 from specserve.spec_decode.ngram.branches import POOLED_BRANCHES as DEMO_BRANCHES
 from specserve.train.dspark import DSparkTrainArgs, train_dspark
@@ -120,7 +120,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-gate", choices=("on", "off"), default="on",
                    help="on (default): draft only at batch sizes where steps with drafts emit tokens faster than "
                         "plain steps (measured as it runs); off: every step drafts")
+    _add_activations_arg(p)
     _add_spec_args(p)
+
+
+def _add_activations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", choices=ACTIVATIONS, default="bfloat16",
+                   help="what quantized weights multiply: bfloat16 (default; every product exact) or int8 (x in "
+                        "8-bit groups of 32, as llama.cpp's kernels: cheaper verification, other tokens in places)")
 
 
 def engine_kwargs(args) -> dict:
@@ -130,7 +137,7 @@ def engine_kwargs(args) -> dict:
                 quantization=quantization_arg(args.quantization), sampling_mode=args.sampling_mode,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-                speculation_gate=args.speculation_gate == "on")
+                speculation_gate=args.speculation_gate == "on", activations=args.activations)
 
 
 def speculative_config_from_args(args) -> dict | None:
@@ -216,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speculation-gate", choices=("on", "off"), default="on",
                    help="the specserve rows' speculation gate (default on, as LLM's; off: every step drafts, "
                         "so tau measures the drafter on every step)")
+    _add_activations_arg(b)
     b.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="run every specserve row over N processes (gloo); rows then report collectives per "
                         "token and per drafting step (default 1)")
@@ -234,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     px.add_argument("--formats", default=None, metavar="F[,F...]",
                     help="comma list of weight formats: float32, bfloat16, int8, int4, gguf (a .gguf or the default "
-                         "model only), or DTYPE+QUANTIZATION (e.g. float32+int8) (default: every one that applies)")
+                         "model only), int4-a8 and gguf-a8 (with 8-bit activations), or DTYPE+QUANTIZATION (e.g. "
+                         "float32+int8) (default: every one without -a8 that applies)")
     px.add_argument("--dtype", default=None,
                     help="with --quantization (or alone): one format, DTYPE+QUANTIZATION, instead of --formats")
     px.add_argument("--quantization", type=_quantization, default=None,
@@ -442,7 +451,7 @@ def cmd_bench(args) -> int:
                      threads=args.threads, seed=args.seed, log=main_log,
                      tensor_parallel_size=args.tensor_parallel_size, interleave=args.interleave,
                      device=args.device, quantizations=args.quantization, sampling_mode=args.sampling_mode,
-                     speculation_gate=args.speculation_gate == "on")
+                     speculation_gate=args.speculation_gate == "on", activations=args.activations)
     r0 = rows[0]
     tp = f" over {r0['tensor_parallel_size']} TP ranks" if r0["tensor_parallel_size"] > 1 else ""
     where = f"{r0['threads']} threads{tp}" if r0["device"] == "cpu" else r0["device"]

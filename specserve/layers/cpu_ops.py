@@ -57,14 +57,16 @@ def _variant() -> tuple[str, list[str]]:
     cap = torch.backends.cpu.get_cpu_capability()
     flags = _cpu_flags()
     if cap.startswith("AVX512") and {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512bf16"]
+        vnni = ["-mavx512vnni"] if "avx512_vnni" in flags else []  # group_gemm_a8
+        return "avx512" + ("vnni" if vnni else ""), ["-mavx512f", "-mavx512bw", "-mavx512bf16", *vnni]
     if cap in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
         return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
 
 def variant() -> str:
-    """Which build of the ops this CPU takes: "avx512" (AVX-512 BF16), "avx2" (AVX2 + FMA) or "generic"."""
+    """Which build of the ops this CPU takes: "avx512" (AVX-512 BF16; "avx512vnni" with VNNI, which the kernel
+    with 8-bit activations uses), "avx2" (AVX2 + FMA) or "generic"."""
     return _variant()[0]
 
 
@@ -133,7 +135,7 @@ def compile_ops(csrc: Path, name: str, build_dir: Path):
     with build_lock(build_dir):
         return cpp_extension.load(
             name=name,
-            sources=[str(csrc / "cpu_ops.cpp"), str(csrc / "quant_gemm.cpp")],
+            sources=[str(csrc / name) for name in ("cpu_ops.cpp", "quant_gemm.cpp", "quant_gemm_a8.cpp")],
             # OpenMP: at::parallel_for is compiled into the extension (torch's own libgomp at run time)
             extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *_variant()[1]],
             extra_ldflags=["-fopenmp"],

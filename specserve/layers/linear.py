@@ -126,6 +126,7 @@ class PackedGEMM:
     packed = None  # oneDNN copy of the weight, set by the layer's ``pack``
     quant = None  # the weight as a ``QuantTensor`` (weight-only quantization), set at load
     qkernel = None  # its kernel (``quant.make_kernel``), set by ``pack``
+    int8_activations = False  # its kernel takes x in 8-bit groups where it can (``pack_linears``)
     row_block = 0  # > 0: GEMMs of at most this many rows (``in_row_blocks``)
     pad_lone_row = True  # with row_block: a lone row travels with a zero row (``in_row_blocks``)
 
@@ -139,7 +140,7 @@ class PackedGEMM:
         if self.quant is None:
             return False
         if self.qkernel is None:
-            self.qkernel = make_kernel(self.quant)
+            self.qkernel = make_kernel(self.quant, self.int8_activations)
         return True
 
     def dense_matmul(self, x, bias=None):

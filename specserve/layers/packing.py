@@ -10,14 +10,16 @@ from specserve.layers.linear import PackedGEMM, lone_row_differs, mkldnn_packing
 from specserve.layers.quant import GroupKernel, gather_weights, rows_invariant
 
 
-def pack_linears(module: torch.nn.Module) -> None:
+def pack_linears(module: torch.nn.Module, int8_activations: bool = False) -> None:
     """Pre-pack every linear layer and LM head of ``module`` for oneDNN (CPU): a few-token GEMM then
     costs little more than one token's (call after the weights are loaded). A quantized weight gets its
     kernel; a dense one is packed only where oneDNN packs its dtype on this CPU (bfloat16 needs AVX-512),
     else it stays as it is. The group kernels' weights then share one buffer on 2 MB pages
-    (``quant.gather_weights``)."""
+    (``quant.gather_weights``). ``int8_activations``: quantized weights' group kernels take x in 8-bit
+    groups (``quant.make_kernel``)."""
     for m in module.modules():
         if isinstance(m, PackedGEMM) and (m.quant is not None or mkldnn_packing_available(m.weight.dtype)):
+            m.int8_activations = int8_activations
             m.pack()
     gather_weights([m.qkernel for m in module.modules()
                     if isinstance(m, PackedGEMM) and isinstance(m.qkernel, GroupKernel)])

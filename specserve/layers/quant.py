@@ -1,12 +1,16 @@
 """Weight-only quantized weights on CPU: a ``QuantTensor`` holds integer codes with a scale and an
 offset per group of input columns (w = code * scale + offset), as GGUF's Q4_0 / Q4_1 / Q8_0 blocks
 do and as ``quantize`` makes from float weights. ``make_kernel`` picks how ``x W^T`` runs (bfloat16
-activations):
+activations unless asked otherwise):
 
 ``GroupKernel``, specserve's C++ kernel (``csrc/quant_gemm.cpp``, CPUs with AVX-512 BF16), for 4-bit
 codes with an offset and 8-bit codes without, in groups of a multiple of 32, scales and offsets in
 float16 (GGUF's own; ``quantize`` rounds to float16): the weight re-laid out once (``pack_groups``),
-read once per call whatever the row count, each product of a code and an x value exact in float32.
+read once per call whatever the row count, each product of a code and an x value exact in float32. With
+``int8_activations`` (``LLM(activations="int8")``) the same weights go through ``csrc/quant_gemm_a8.cpp``
+instead (AVX-512 VNNI or AVX2; ``pack_groups(qt, int8_activations=True)``): x in 8-bit groups of 32 as
+llama.cpp's kernels take it (``quantize_activations``), integer dot products, the arithmetic that
+``reference_gemm_a8`` spells out.
 Otherwise ``QuantKernel``, torch's weight-only kernels:
 
 - 4-bit codes (0..15) in groups of 32..256: ``_weight_int4pack_mm_for_cpu``, which computes
@@ -239,17 +243,26 @@ def group_kernel_takes(qt: QuantTensor) -> bool:
     return all(torch.equal(t.half().float(), t) for t in (qt.scale, qt.offset) if t is not None)
 
 
-def pack_groups(qt: QuantTensor) -> torch.Tensor:
+def in_groups_of_32(qt: QuantTensor) -> QuantTensor:
+    """``qt`` with a scale (and offset) per 32 columns: those of larger groups repeated."""
+    if qt.group == GROUP_COLS:
+        return qt
+    r = qt.group // GROUP_COLS
+    return QuantTensor(qt.codes, qt.scale.repeat_interleave(r, 1),
+                       None if qt.offset is None else qt.offset.repeat_interleave(r, 1), GROUP_COLS, qt.bits, qt.kind)
+
+
+def pack_groups(qt: QuantTensor, int8_activations: bool = False) -> torch.Tensor:
     """``qt`` (``group_kernel_takes``) in ``GroupKernel``'s layout: uint8 [N / 16, K / 32, B], one
     B-byte block per 16 output rows x 32 inputs (N padded with zero rows). 4 bits (B = 320): 8 chunks
     of 32 bytes, chunk c byte 2 i + e = code[row i, 2 c + e] | code[row i, 16 + 2 c + e] << 4; then the
     16 rows' scales and offsets in float16. 8 bits (B = 544): 16 chunks, chunk c byte 2 i + e =
-    code[row i, 2 c + e] (int8); then the 16 scales in float16."""
-    if qt.group != GROUP_COLS:  # a scale per 32 columns
-        r = qt.group // GROUP_COLS
-        qt = QuantTensor(qt.codes, qt.scale.repeat_interleave(r, 1),
-                         None if qt.offset is None else qt.offset.repeat_interleave(r, 1), GROUP_COLS, qt.bits, qt.kind)
-    qt = _pad_rows(qt, GROUP_ROWS)
+    code[row i, 2 c + e] (int8); then the 16 scales in float16. ``int8_activations``: the same bytes
+    ordered for the kernel with 8-bit activations (``csrc/quant_gemm_a8.cpp``), four inputs of a row
+    to a 32-bit lane: 4 bits, four 64-byte vectors, vector j byte 4 i + e = code[row i, 8 j + e] |
+    code[row i, 8 j + 4 + e] << 4; 8 bits, eight 64-byte vectors, vector j byte 4 i + e =
+    code[row i, 4 j + e] + 128 (unsigned)."""
+    qt = _pad_rows(in_groups_of_32(qt), GROUP_ROWS)
     N, K = qt.shape
     nb, G = N // GROUP_ROWS, K // GROUP_COLS
 
@@ -257,27 +270,78 @@ def pack_groups(qt: QuantTensor) -> torch.Tensor:
         return t.half().view(nb, GROUP_ROWS, G).transpose(1, 2).contiguous().view(torch.uint8)
 
     if qt.bits == 4:
-        c = qt.codes.view(nb, GROUP_ROWS, G, 2, 8, 2)  # [block, row, group, half, chunk, e]
-        codes = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
+        if int8_activations:  # [block, row, group, vector, half, e]
+            c = qt.codes.view(nb, GROUP_ROWS, G, 4, 2, 4)
+            codes = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)
+        else:  # [block, row, group, half, chunk, e]
+            c = qt.codes.view(nb, GROUP_ROWS, G, 2, 8, 2)
+            codes = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
         return torch.cat([codes.permute(0, 2, 3, 1, 4).reshape(nb, G, 256), halves(qt.scale),
                           halves(qt.offset)], 2).contiguous()
-    c = qt.codes.view(torch.uint8).view(nb, GROUP_ROWS, G, 16, 2)  # [block, row, group, chunk, e]
+    c = qt.codes.view(torch.uint8)  # [block, row, group, chunk or vector, e]
+    c = (c ^ 0x80).view(nb, GROUP_ROWS, G, 8, 4) if int8_activations else c.view(nb, GROUP_ROWS, G, 16, 2)
     return torch.cat([c.permute(0, 2, 3, 1, 4).reshape(nb, G, 512), halves(qt.scale)], 2).contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bfloat16) in 8-bit groups of 32, as the kernel with 8-bit activations takes it (float32,
+    round half to even): a = max |x| of the group, q = rint(x * (127 / a)), dx = a / 127 (0 and q = 0 where
+    a = 0). Returns q [M, K / 32, 32] (float32 integers) and dx [M, K / 32]."""
+    g = x.float().view(x.shape[0], -1, GROUP_COLS)
+    a = g.abs().amax(-1)
+    c = torch.full_like(a, 127.0)  # tensor by tensor: ``127.0 / a`` would round a reciprocal first
+    inv = torch.where(a > 0, c / a, torch.zeros_like(a))
+    return torch.round(g * inv.unsqueeze(-1)), torch.where(a > 0, a / c, torch.zeros_like(a))
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c with one rounding (float64 holds the product of two float32 values exactly)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+@torch.inference_mode()
+def reference_gemm_a8(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    """``x W^T`` in PyTorch by the arithmetic of the kernel with 8-bit activations (``csrc/quant_gemm_a8.cpp``):
+    per group the exact integer dot product of the codes and ``quantize_activations``' q, then float32
+    ``y = fma(i, d * dx, y)`` (and ``y = fma(m, dx * s, y)`` with the offset m, s = sum q), groups in order,
+    bfloat16 at the end. Slow: for tests."""
+    qt = in_groups_of_32(qt)
+    q, dx = quantize_activations(x.to(torch.bfloat16))
+    N, K = qt.shape
+    codes = qt.codes.view(torch.int8).float() if qt.bits == 8 else qt.codes.float()
+    dots = torch.einsum("mgk,ngk->mng", q.double(), codes.view(N, -1, GROUP_COLS).double()).float()  # exact
+    sx = dx * q.sum(-1)
+    y = torch.zeros(x.shape[0], N)
+    for g in range(K // GROUP_COLS):
+        y = _fma(dots[:, :, g], qt.scale[:, g].float() * dx[:, g : g + 1], y)
+        if qt.offset is not None:
+            y = _fma(qt.offset[:, g].float().expand_as(y), sx[:, g : g + 1].expand_as(y), y)
+    return y.to(torch.bfloat16)
 
 
 class GroupKernel(_Kernel):
     """specserve's C++ kernel (``csrc/quant_gemm.cpp``; see the module docstring) for a weight that
-    ``group_kernel_takes``; ``ops``: the loaded ``cpu_ops`` extension."""
+    ``group_kernel_takes``; ``ops``: the loaded ``cpu_ops`` extension. ``int8_activations``: the kernel
+    that takes x in 8-bit groups (``csrc/quant_gemm_a8.cpp``, CPUs with AVX-512 VNNI or AVX2) instead."""
 
-    def __init__(self, qt: QuantTensor, ops):
+    INT8_ACTIVATIONS = 16  # the flag in ``code``, the bits the C++ decoder layer is given
+
+    def __init__(self, qt: QuantTensor, ops, int8_activations: bool = False):
         if not group_kernel_takes(qt):
             raise ValueError(f"the group kernel does not take a {qt.kind} weight")
         self.out_features, self.in_features = qt.shape
         self.kind, self.bits, self.ops = qt.kind, qt.bits, ops
-        self.weight = pack_groups(qt)
+        self.int8_activations = int8_activations
+        self.code = qt.bits | (self.INT8_ACTIVATIONS if int8_activations else 0)
+        self.weight = pack_groups(qt, int8_activations)
+        self._gemm = ops.group_gemm_a8 if int8_activations else ops.group_gemm
+
+    @property
+    def key(self) -> tuple:
+        return super().key + (self.int8_activations,)
 
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
-        return self.ops.group_gemm(x2, self.weight, self.bits, GROUP_GRAIN, GROUP_TILE)
+        return self._gemm(x2, self.weight, self.bits, GROUP_GRAIN, GROUP_TILE)
 
     gathered = False  # its weight lies in a buffer of ``gather_weights``
 
@@ -326,9 +390,19 @@ def gather_weights(kernels: list["GroupKernel"]) -> int:
     return at - start
 
 
-def make_kernel(qt: QuantTensor) -> _Kernel:
-    """``GroupKernel`` where it takes ``qt`` and the C++ ops are built with it, else ``QuantKernel``."""
+def int8_activations_available() -> bool:
+    """Whether this machine's C++ ops have the kernel with 8-bit activations (AVX-512 VNNI or AVX2 + FMA)."""
+    ops = cpu_ops.get()
+    return ops is not None and ops.group_gemm_a8_available()
+
+
+def make_kernel(qt: QuantTensor, int8_activations: bool = False) -> _Kernel:
+    """``GroupKernel`` where it takes ``qt`` and the C++ ops are built with it, else ``QuantKernel``;
+    ``int8_activations``: the group kernel with 8-bit activations where it takes ``qt`` and this machine
+    has it (``int8_activations_available``), for any other weight as without."""
     ops = cpu_ops.get() if group_kernel_takes(qt) else None
+    if int8_activations and ops is not None and ops.group_gemm_a8_available():
+        return GroupKernel(qt, ops, int8_activations=True)
     if ops is not None and ops.group_gemm_available():
         return GroupKernel(qt, ops)
     return QuantKernel(qt)

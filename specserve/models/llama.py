@@ -123,7 +123,7 @@ def layer_call_weights(ops, input_norm: RMSNorm, post_norm: RMSNorm, lins: tuple
             or post_norm.eps != eps or (q_norm is not None and not q_norm.eps == k_norm.eps == eps)):
         return ()
     qk_norm = None if q_norm is None else stack_head_norms(q_norm, heads[0], k_norm, heads[1])
-    return ([input_norm.weight, post_norm.weight], eps, [k.weight for k in ks], [k.bits for k in ks],
+    return ([input_norm.weight, post_norm.weight], eps, [k.weight for k in ks], [k.code for k in ks],
             [k.out_features for k in ks], list(heads), scale, qk_norm)
 
 

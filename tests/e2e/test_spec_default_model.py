@@ -5,6 +5,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.layers.linear import fast_bfloat16, mkldnn_packing_available
+from specserve.layers.quant import int8_activations_available
 from specserve.spec_decode.ngram.branches import POOLED_BRANCHES
 
 pytestmark = pytest.mark.slow
@@ -170,6 +171,34 @@ def test_quantized_greedy_identical_to_plain(default_llm_quantized, spec):
     for p, a, b in zip(PROMPTS, plain, out):
         assert list(b.outputs[0].token_ids) == a, p
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def default_llm_int8_activations():
+    if not int8_activations_available():
+        pytest.skip("the 8-bit activation kernel needs AVX-512 VNNI or AVX2")
+    llm = LLM(activations="int8")
+    assert llm.engine.runner.int8_activations
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("spec", [{"method": "medusa"}, {"method": "dspark"}])
+def test_int8_activations_greedy_identical_to_plain(default_llm_int8_activations, default_llm_quantized, spec):
+    """With 8-bit activations (another target: its answers differ from bfloat16 activations' in places),
+    the default drafters' greedy output is that target's plain decoding, token for token."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = plain_answers(default_llm_int8_activations, params.max_tokens)
+    assert plain != plain_answers(default_llm_quantized, params.max_tokens)
+    llm = LLM(activations="int8", speculative_config=spec)
+    out = llm.chat(CHATS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, plain, out):
+        assert list(b.outputs[0].token_ids) == a, p
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=40)  # coupled sampling: plain's tokens too
+    want = [list(o.outputs[0].token_ids) for o in default_llm_int8_activations.chat(CHATS, seeded, use_tqdm=False)]
+    assert [list(o.outputs[0].token_ids) for o in llm.chat(CHATS, seeded, use_tqdm=False)] == want
     llm.shutdown()
 
 

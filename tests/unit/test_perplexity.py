@@ -83,6 +83,8 @@ def test_perplexity_formats(tmp_path):
     gguf.write_bytes(b"GGUF")
     assert default_formats(str(gguf))[-1] == "gguf"
     assert [f.quantization for f in parse_formats("gguf", str(gguf))] == ["gguf"]
+    got = [(f.quantization, f.activations) for f in parse_formats("gguf,gguf-a8,int4-a8", str(gguf))]
+    assert got == [("gguf", "bfloat16"), ("gguf", "int8"), ("int4", "int8")]
     for bad, msg in (("gguf", "needs a .gguf"), ("int3", "unknown format 'int3'"), ("float8+int8", "bad format"),
                      ("float32+int3", "bad format"), (" , ", "no format")):
         with pytest.raises(BenchError, match=msg):
