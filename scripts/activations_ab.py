@@ -1,19 +1,18 @@
 """The default model with bfloat16 and with 8-bit activations (``LLM(activations=...)``), plain decoding and
 each drafter's default, all engines interleaved prompt by prompt in one process on held-out category
 prompts. Prints each engine's speed over plain decoding with bfloat16 activations and over plain decoding
-with its own activations, and how many answers equal the latter's (the two settings are two targets: their
-answers differ in places). ``--avx2`` builds specserve's C++ ops for AVX2 + FMA only (how they run on a
-CPU without AVX-512) on a machine that has AVX-512. docs/quantization.md's figures come from ``python
-scripts/activations_ab.py --methods ngram,medusa,dspark --num-prompts 4`` (and ``--avx2 --num-prompts 3``)."""
+with its own activations, and how many answers equal the latter's (plain decoding with 8-bit activations:
+bfloat16's; the two settings are two targets, their answers differ in places). ``--avx2`` builds
+specserve's C++ ops for AVX2 + FMA only (how they run on a CPU without AVX-512) on a machine that has
+AVX-512. docs/quantization.md's figures come from ``python scripts/activations_ab.py --methods
+ngram,medusa,dspark --num-prompts 4`` (and ``--avx2 --num-prompts 3``)."""
 
 from __future__ import annotations
 
 import argparse
-import collections
-import time
 
-from specserve import LLM, SamplingParams
-from specserve.bench.categories import category_prompts, parse_ab_arguments
+from specserve import LLM
+from specserve.bench.categories import interleaved_chats, parse_ab_arguments
 
 SETTINGS = ("bfloat16", "int8")
 
@@ -29,36 +28,23 @@ def main() -> None:
 
         cpu_ops._variant = lambda: ("avx2", ["-mavx2", "-mfma", "-mf16c"])
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    engines = {}
+    engines, references = {}, {}
     for act in SETTINGS:
-        engines[("none", act)] = LLM(activations=act)
+        engines[f"none/{act}"] = LLM(activations=act)
         for m in methods:
-            engines[(m, act)] = LLM(activations=act, speculative_config={"method": m})
-    prompts = category_prompts("categories", args.num_prompts)
-    wall, tokens, same = collections.Counter(), collections.Counter(), collections.Counter()
-    for i, (_, prompt) in enumerate(prompts):
-        params = SamplingParams(temperature=args.temperature, seed=i if args.temperature > 0 else None,
-                                max_tokens=args.max_tokens)
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]  # a drifting machine weighs on all alike
-        out = {}
-        for key in order:
-            t0 = time.perf_counter()
-            res = engines[key].chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)
-            wall[key] += time.perf_counter() - t0
-            out[key] = list(res[0].outputs[0].token_ids)
-            tokens[key] += len(out[key])
-        for key in engines:
-            same[key] += out[key] == out[("none", key[1])]
-        same["across"] += out[("none", "int8")] == out[("none", "bfloat16")]
-    rate = {key: tokens[key] / wall[key] for key in engines}
+            engines[f"{m}/{act}"] = LLM(activations=act, speculative_config={"method": m})
+            references[f"{m}/{act}"] = f"none/{act}"
+    prompts, wall, tokens, same = interleaved_chats(engines, args, temperature=args.temperature,
+                                                    references=references)
+    rate = {name: tokens[name] / wall[name] for name in engines}
     print(f"{len(prompts)} category prompts, {args.max_tokens} tokens, temperature {args.temperature}, "
-          f"{args.threads} threads{', ops built for AVX2' if args.avx2 else ''}; plain decoding's answers the same "
-          f"with both activations: {same['across']}/{len(prompts)}")
+          f"{args.threads} threads{', ops built for AVX2' if args.avx2 else ''}")
     print("| method | activations | tok/s | x plain (bfloat16) | x plain (same activations) | identical to it |")
     print("|---|---|---|---|---|---|")
-    for (m, act), r in rate.items():
-        print(f"| {m} | {act} | {r:.1f} | {r / rate[('none', 'bfloat16')]:.3f}x | {r / rate[('none', act)]:.3f}x | "
-              f"{same[(m, act)]}/{len(prompts)} |")
+    for name, r in rate.items():
+        m, act = name.split("/")
+        print(f"| {m} | {act} | {r:.1f} | {r / rate['none/bfloat16']:.3f}x | {r / rate[f'none/{act}']:.3f}x | "
+              f"{same[name]}/{len(prompts)} |")
 
 
 if __name__ == "__main__":

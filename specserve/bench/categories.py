@@ -141,14 +141,15 @@ def parse_ab_arguments(ap):
 
 
 def interleaved_chats(engines: dict, args, prompts: list[tuple[str, str]] | None = None, size: int = 1,
-                      temperature: float = 0.0) -> tuple:
+                      temperature: float = 0.0, references: dict | None = None) -> tuple:
     """``prompts`` ((category, prompt) pairs; default: ``args.num_prompts`` held-out prompts of every
     category), ``size`` at a time as one call of one-turn chats of up to ``args.max_tokens`` tokens (a call's
     category: its first prompt's), through every ``LLM`` of ``engines`` ({name: LLM}) in turn, the order
     reversed every other call, so that a machine whose speed drifts weighs on every engine alike (the A/B
     scripts under ``scripts/``). Greedy, or sampled at ``temperature`` with the call's index as seed. Returns
     the (category, prompt) pairs, then (wall seconds, generated tokens), Counters keyed by name and by
-    (category, name), and per name how many calls' answers equal the first engine's token for token."""
+    (category, name), and per name how many calls' answers equal its reference's token for token
+    (``references[name]``, another engine's name; default the first engine)."""
     import collections
     import time
 
@@ -174,7 +175,7 @@ def interleaved_chats(engines: dict, args, prompts: list[tuple[str, str]] | None
                 wall[key] += dt
                 tokens[key] += sum(map(len, out[name]))
         for name in engines:
-            same[name] += out[name] == out[first]
+            same[name] += out[name] == out[(references or {}).get(name, first)]
     return prompts, wall, tokens, same
 
 

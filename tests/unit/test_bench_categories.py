@@ -200,3 +200,26 @@ def test_bench_rows_by_category(tiny_llama, tmp_path, monkeypatch):
     assert by["target"]["identical_to_none"] is True and by["ngram"]["identical_to_none"] is True
     table = harness.format_table(rows)
     assert "ngram-oracle" in table and format_category_table(rows).count("target") == 2
+
+
+def test_interleaved_chats_compares_each_engine_with_its_reference():
+    """Every engine answers every call (the order reversed every other call); ``same`` counts the calls
+    whose answers equal the engine's reference's (default: the first engine)."""
+    from types import SimpleNamespace
+
+    order = []
+
+    class Fake:
+        def __init__(self, name, ids):
+            self.name, self.ids = name, ids
+
+        def chat(self, chats, params, use_tqdm=False):
+            order.append(self.name)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=self.ids)]) for _ in chats]
+
+    engines = {"a": Fake("a", [1, 2]), "b": Fake("b", [1, 3]), "c": Fake("c", [1, 3])}
+    prompts = [("qa", "p1"), ("qa", "p2"), ("math", "p3")]
+    args = SimpleNamespace(max_tokens=4)
+    _, wall, tokens, same = bench_categories.interleaved_chats(engines, args, prompts, references={"c": "b"})
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert (same["a"], same["b"], same["c"]) == (3, 0, 3) and tokens["b"] == 6 and tokens[("math", "c")] == 2
