@@ -407,10 +407,7 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor packed, int64_t bits, int64_t gra
   if (!q8) group_sums(px, M, K, xs.data());
   const BlockRun run{{px, M, K, groups, packed.data_ptr<uint8_t>(), q8, xs.data(), y.data_ptr<at::BFloat16>(), N,
                       max_tile}};
-  if (NB >= 2 * grain)
-    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) { run(b0, b1); });
-  else
-    run(0, NB);
+  specserve_quant::over_row_blocks(NB, grain, [&](int64_t b0, int64_t b1) { run(b0, b1); });
   return y;
 }
 

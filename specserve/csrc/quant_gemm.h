@@ -1,9 +1,11 @@
 // What the two group kernels share (quant_gemm.cpp: bfloat16 activations; quant_gemm_a8.cpp: 8-bit ones):
-// the packed block sizes, the checks of a call's arguments, and bfloat16 rounding on AVX2.
+// the packed block sizes, the checks of a call's arguments, how a call's row blocks meet the threads, and
+// bfloat16 rounding on AVX2.
 
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cstdint>
 
@@ -33,6 +35,16 @@ inline bool check_call(const char* name, at::Tensor& x, at::Tensor& packed, int6
   TORCH_CHECK(packed.size(1) * kGroup == x.size(1), name, ": x has ", x.size(1), " columns, the weight ",
               packed.size(1) * kGroup);
   return q8;
+}
+
+// run(b0, b1) over a call's NB row blocks, split over the intra-op threads where the call has at least
+// ``grain`` of them per thread (fewer: on this thread, no pool wake-up)
+template <class F>
+inline void over_row_blocks(int64_t NB, int64_t grain, const F& run) {
+  if (NB >= 2 * grain)
+    at::parallel_for(0, NB, grain, run);
+  else
+    run(0, NB);
 }
 
 #if defined(__AVX2__)

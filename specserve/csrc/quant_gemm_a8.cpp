@@ -260,10 +260,7 @@ at::Tensor group_gemm_a8(at::Tensor x, at::Tensor packed, int64_t bits, int64_t 
         block_rows<false>(w + nb * bstride, G, xr, M, K, py + nb * kRows, N, max_tile);
     }
   };
-  if (NB >= 2 * grain)
-    at::parallel_for(0, NB, grain, run);
-  else
-    run(0, NB);
+  specserve_quant::over_row_blocks(NB, grain, run);
   return y;
 }
 
