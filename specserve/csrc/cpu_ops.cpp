@@ -1799,15 +1799,24 @@ void search_chunk(const float* base, const T* w2p, const uint32_t* w2q, const fl
 template <typename T>
 void search_row(const float* base, const float* anchor_emb, const T* w1, const T* w2p, const uint32_t* w2q,
                 int64_t r, int64_t V, int64_t g, float t, const float* conf_a, const float* conf_we,
-                const float* ctemps, int64_t topk, int64_t beam, int64_t* tok_out, int64_t* par_out,
-                float* score_out) {
+                const float* ctemps, int64_t topk, int64_t beam, float min_score, int64_t* tok_out,
+                int64_t* par_out, float* score_out) {
   const int64_t kk = std::min(topk, V), Vp = (V + 15) / 16 * 16;
   const int64_t nchunks = (Vp + kSearchChunk - 1) / kSearchChunk;
   std::vector<int64_t> prev{-1}, fidx{-1};  // -1: the anchor (its W1 row given)
   std::vector<float> fscore{1.0f};
-  int64_t offset = 0;
+  int64_t offset = 0, slots = 1;  // slots: the depth's nodes in the layout (``W`` of them expanded)
   for (int64_t d = 0; d < g; ++d) {
     const int64_t W = static_cast<int64_t>(prev.size());
+    for (int64_t j = offset + W * kk; j < offset + slots * kk; ++j) {  // the nodes not expanded
+      tok_out[j] = par_out[j] = -1;
+      score_out[j] = -1.0f;
+    }
+    if (W == 0) {
+      offset += slots * kk;
+      slots = std::min(beam, slots * kk);
+      continue;
+    }
     std::vector<float> emb(W * r);
     for (int64_t w = 0; w < W; ++w)
       for (int64_t j = 0; j < r; ++j)
@@ -1859,11 +1868,12 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
         score_out[at_] = child[w * kk + j];
       }
     }
-    if (d + 1 < g) {  // the next depth expands this depth's best nodes (ties: the lower index)
-      const int64_t nb = std::min(beam, C);
+    if (d + 1 < g) {  // the next depth expands this depth's best nodes scoring min_score or more (ties: the lower index)
       std::vector<int64_t> order(C);
       for (int64_t j = 0; j < C; ++j) order[j] = j;
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return child[a] > child[b]; });
+      int64_t nb = 0;
+      while (nb < std::min(beam, C) && child[order[nb]] >= min_score) ++nb;
       prev.assign(nb, 0);
       fidx.assign(nb, 0);
       fscore.assign(nb, 0.0f);
@@ -1873,7 +1883,8 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
         fscore[j] = child[order[j]];
       }
     }
-    offset += C;
+    offset += slots * kk;
+    slots = std::min(beam, slots * kk);
   }
 }
 
@@ -1886,12 +1897,14 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
 // W2's columns in pairs, read by ``vdpbf16ps`` where AVX-512 BF16 is built (the products exact, summed
 // two at a time in float32); t [B] float32 temperatures (1 for greedy rows);
 // conf_a [B, g] (the confidence logit's hidden part, its bias included) and conf_we [r] (its W1 part),
-// or undefined; conf_rows [B] bool: the rows scored by the confidence head; ctemps [g]
-// -> (draft ids, parents, scores), each [B, C], in draft_trees' layout.
+// or undefined; conf_rows [B] bool: the rows scored by the confidence head; ctemps [g]; min_score: a depth
+// expands only those of its ``beam`` best nodes that score at least this (0: all of them), and the layout's
+// nodes below the others get id, parent and score -1 -> (draft ids, parents, scores), each [B, C], in
+// draft_trees' layout.
 std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::Tensor w1, at::Tensor w2p,
                                     at::Tensor t, c10::optional<at::Tensor> conf_a,
                                     c10::optional<at::Tensor> conf_we, at::Tensor conf_rows, at::Tensor ctemps,
-                                    int64_t topk, int64_t beam) {
+                                    int64_t topk, int64_t beam, double min_score) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat, "tree_search: base must be [B, g, V] float32");
   base = base.contiguous();
   const int64_t B = base.size(0), g = base.size(1), V = base.size(2), r = w1.size(1);
@@ -1928,6 +1941,7 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
   auto tok = at::empty({B, C}, base.options().dtype(at::kLong));
   auto par = at::empty({B, C}, base.options().dtype(at::kLong));
   auto score = at::empty({B, C}, base.options());
+  const float ms = static_cast<float>(min_score);
   for (int64_t b = 0; b < B; ++b) {
     const bool conf = ca.defined() && rows.data_ptr<bool>()[b];
     const float* pa = conf ? ca.data_ptr<float>() + b * ca.size(1) : nullptr;
@@ -1941,11 +1955,11 @@ std::vector<at::Tensor> tree_search(at::Tensor base, at::Tensor anchor_emb, at::
     const float* cts = ct.data_ptr<float>();
     if (w1.scalar_type() == at::kFloat) {
       search_row(pb, pe, w1.data_ptr<float>(), w2p.data_ptr<float>(), nullptr, r, V, g, tb, pa, pw, cts, topk, beam,
-                 po, pp, ps);
+                 ms, po, pp, ps);
     } else {
       const at::BFloat16* w2 = w2p.data_ptr<at::BFloat16>();
       search_row(pb, pe, w1.data_ptr<at::BFloat16>(), w2, pairs ? reinterpret_cast<const uint32_t*>(w2) : nullptr, r,
-                 V, g, tb, pa, pw, cts, topk, beam, po, pp, ps);
+                 V, g, tb, pa, pw, cts, topk, beam, ms, po, pp, ps);
     }
   }
   return {tok, par, score};

@@ -14,6 +14,7 @@ from specserve.spec_decode.cost_model import (
     StepCosts,
     choose_verify_lengths,
     interp_cost,
+    sampling_key,
 )
 from specserve.spec_decode.proposer import Proposal, Proposer, TreeDraft
 from specserve.spec_decode.tree_select import graft, merge_branches, no_candidates, split_items
@@ -22,6 +23,7 @@ log = logging.getLogger("specserve.spec_decode")
 
 COST_TABLE_SIZE = 257  # token counts whose verify cost ``verify_cost`` keeps in a list
 REFRESH_STEPS = 8  # ``verify_cost`` takes the engine's step times (``step_cost``) in this often
+EXPAND_TOKENS = 8  # drafts a sequence over which ``expand_threshold`` averages the cost of a verified token
 
 
 class ModelDrafter(Proposer):
@@ -96,6 +98,24 @@ class ModelDrafter(Proposer):
     def verify_counts(self, survival: list[list[float]]) -> list[int]:
         """How many of each request's scored nodes to verify (``cost_model.choose_verify_lengths``)."""
         return choose_verify_lengths(survival, self.verify_cost)
+
+    def expand_threshold(self, seqs) -> float:
+        """The least raw score of a candidate node whose children a tree search of this batch should still
+        draft: half of what one more verified token costs on average, as a share of a step without drafts,
+        over the first ``EXPAND_TOKENS`` drafts a sequence (``verify_cost``), over the largest calibration
+        factor of the batch's sampling settings (the cost model compares calibrated scores). A node of
+        score s is worth verifying only where s exceeds the cost of its token as a share of the step
+        (times the tokens the step yields already), and its descendants score at most s: so a node
+        below this gets no children that the cost model would take (0: no cost table yet)."""
+        if self._verify_costs is None or not seqs:
+            return 0.0
+        B, K = len(seqs), EXPAND_TOKENS
+        plain = max(self.verify_cost(B), 1e-12)
+        share = (self.verify_cost(B * (1 + K)) - plain) / (B * K * plain)
+        top = 1.0
+        if self.calibration is not None:
+            top = max(max(self.calibration.factors(sampling_key(s.params))) for s in seqs)
+        return max(0.0, 0.5 * share / max(top, 1e-6))
 
     def take_nodes(self, seq, items: list[tuple] | None, n: int, order: list[int], raw, depth):
         """The first ``n`` nodes of ``seq``'s ranking -> (the chosen candidates, sorted; the chosen branch

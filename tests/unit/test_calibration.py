@@ -204,6 +204,45 @@ def test_verify_cost_takes_in_the_engines_steps():
     assert d.verify_cost(2) >= 0.5 * 5.0
 
 
+class Seq:
+    def __init__(self, temperature=0.0):
+        self.params = SamplingParams(temperature=temperature)
+
+
+def test_expand_threshold_leaves_out_only_nodes_the_cost_model_never_takes():
+    """``ModelDrafter.expand_threshold``: half the average cost of a verified draft as a share of a plain
+    step over the first ``EXPAND_TOKENS`` drafts a sequence, over the largest calibration factor (0 without
+    a cost table). With step costs a + b n ``choose_verify_lengths`` takes no node below b / a whatever
+    the scores before it (and takes nodes just above it): the threshold, b / 2a there, leaves out none
+    that it takes, with room for costs that are not linear."""
+    import random
+
+    from specserve.spec_decode.cost_model import choose_verify_lengths
+    from specserve.spec_decode.model_drafter import EXPAND_TOKENS
+
+    d = ModelDrafter()
+    assert d.expand_threshold([Seq()]) == 0.0
+    a, b = 4.0, 0.6
+    d.verify_costs = {1: a, 2: a + b, 100: a + 99 * b}
+    t = d.expand_threshold([Seq()])
+    assert t == pytest.approx(0.5 * b / a)
+    B = 2  # a batch: its verification of B (1 + K) tokens against one of B
+    assert d.expand_threshold([Seq(), Seq(0.7)]) == pytest.approx(
+        0.5 * (a + b * (B * (1 + EXPAND_TOKENS) - 1) - (a + b)) / (B * EXPAND_TOKENS * (a + b)))
+    rng = random.Random(0)
+    taken = []
+    for _ in range(3000):
+        row = sorted((rng.random() ** rng.choice((1, 3, 8)) for _ in range(rng.randint(1, 30))), reverse=True)
+        taken += row[: choose_verify_lengths([row], d.verify_cost)[0]]
+    assert min(taken) >= b / a > t and min(taken) < 1.05 * b / a
+    # calibration factors above 1 scale scores up before the choice: the threshold comes down with them
+    d.calibration = AcceptanceCalibration(3)
+    run_steps(d.calibration, G, [0.2, 0.1, 0.05], 3, 30)
+    top = max(d.calibration.factors(G))
+    assert top > 1.5 and d.expand_threshold([Seq()]) == pytest.approx(t / top)
+    assert d.expand_threshold([Seq(0.8)]) == pytest.approx(t)  # another setting, no evidence yet
+
+
 def test_start_up_step_costs_time_long_steps_once_and_are_kept_per_process(tiny_llama, monkeypatch):
     """``measure_step_costs``: every size once untimed, then ``reps`` timed rounds, sizes above
     ``LONG_STEP`` in the first only (and only two of them); the table never falls with n. A second

@@ -10,6 +10,7 @@ from test_spec_engine import assert_same_distribution, sample_prefixes, sampled_
 from specserve import LLM, SamplingParams
 from specserve.engine.block_manager import BlockManager
 from specserve.spec_decode.dspark.config import DSparkConfig, expected_state_shapes
+from specserve.spec_decode.dspark import model as dspark_model
 from specserve.spec_decode.dspark import proposer as proposer_mod
 
 PROMPTS = [[5, 17, 42, 99, 3], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
@@ -196,6 +197,34 @@ def test_worker_projects_waiting_features_when_the_sequence_drafts(small_vocab_m
     w.forget(-2)
 
 
+def test_auto_tree_search_expands_only_nodes_worth_verifying(small_vocab_model, tmp_path, monkeypatch):
+    """``dspark_tree: "auto"``: each step's search expands only nodes that score at least the cost model's
+    ``expand_threshold`` (steep verification here: many nodes left out), and the answers stay plain
+    decoding's."""
+    drafter = write_random_drafter(tmp_path / "d", small_vocab_model, scale=0.6)
+    prompts = [[t % 16 for t in p] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(small_vocab_model), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(small_vocab_model), dtype="float32", speculative_config={
+        "method": "dspark", "model": str(drafter), "dspark_tree": "auto", "ngram_branch": 0, "draft_gate": False})
+    prop = llm.engine.proposer
+    prop.verify_costs = {1: 1.0, 1000: 1.0 + 999 * 0.2}
+    thresholds, searched = [], []
+    threshold, search = prop.expand_threshold, dspark_model.draft_trees
+    monkeypatch.setattr(prop, "expand_threshold", lambda seqs: thresholds.append(threshold(seqs)) or thresholds[-1])
+
+    def recorded(*args, **kwargs):
+        tree = search(*args, **kwargs)
+        searched.append((kwargs["min_score"], int((tree.scores < 0).sum())))
+        return tree
+
+    monkeypatch.setattr(dspark_model, "draft_trees", recorded)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert len(searched) > 3 and [ms for ms, _ in searched] == thresholds and min(thresholds) > 0.01
+    assert sum(empty > 0 for _, empty in searched) > len(searched) // 2
+
+
 def test_tree_drafting_reads_the_features_of_the_accepted_path(small_vocab_model, tmp_path):
     """After a tree step the drafter's cache holds the target features of the accepted PATH (node
     indices that need not be contiguous): every step's candidate tree equals one drafted offline from a
@@ -224,9 +253,9 @@ def test_tree_drafting_reads_the_features_of_the_accepted_path(small_vocab_model
         assert full[start] == anchor
         cache = w.drafter.new_cache()
         cache.extend(feats[:start], list(range(start)))
-        num_drafts, temps, topk, beam, ctemps = args
+        num_drafts, temps, topk, beam, ctemps, min_score = args
         ref = w.drafter.propose_tree_batch([anchor], [start], [cache], w.embed, w.logits_fn, temps, num_drafts, topk,
-                                           beam, ctemps)
+                                           beam, ctemps, min_score)
         assert torch.equal(ref.tokens, tree.tokens) and torch.equal(ref.parents, tree.parents)
         torch.testing.assert_close(ref.scores, tree.scores, atol=1e-4, rtol=1e-4)
         if i + 1 < len(calls):

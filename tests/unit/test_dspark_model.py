@@ -572,6 +572,59 @@ def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
     assert trees[0].tokens[0, :3].tolist() == to_target[[7, 1500, 2500]].tolist()
 
 
+def unexpanded_below(tree, min_score: float) -> torch.Tensor:
+    """[B, C] bool: the nodes of ``tree`` with an ancestor scoring below ``min_score`` (its layout's
+    parents come first)."""
+    par, sc = tree.parents.tolist(), tree.scores.tolist()
+    out = []
+    for p_row, s_row in zip(par, sc):
+        gone = []
+        for c, p in enumerate(p_row):
+            gone.append(p >= 0 and (gone[p] or s_row[p] < min_score))
+        out.append(gone)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_tree_search_expands_only_nodes_above_min_score(search):
+    """With ``min_score`` a depth expands only its best nodes that score at least that much: the tree is
+    the one without it with every node below such a node emptied (token, parent and score -1, the layout
+    kept), in the loop and in the one-call search alike (greedy and sampled rows, several chunks); a
+    ``min_score`` above every score leaves only the root's children."""
+    if search and cpu_ops.get() is None:
+        pytest.skip("the C++ extension did not build here")
+    vt, vd, r, g = 4000, 2600, 32, 5
+    torch.manual_seed(2)
+    to_target = torch.randperm(vt)[:vd].sort().values
+    t2d = torch.zeros(vt, dtype=torch.bool)
+    t2d[to_target] = True
+    head = MarkovHead(vt, vd, r, D, "vanilla")
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    ch = ConfidenceHead(D, r, with_markov=True)
+    hidden, base = torch.randn(2, g, D), torch.randn(2, g, vd) * 3
+    if search:
+        head.pack_for_search(to_target)
+    kw = dict(topk=3, beam=3, temperatures=[None, 0.8], confidence_head=ch, confidence_temperatures=[1.2, 0.9],
+              d2t=t2d)
+    full = draft_trees(lambda h: base, hidden, [11, 3999], head, **kw)
+    parents = full.parents[full.parents >= 0].unique()
+    scores = sorted(full.scores[:, parents].flatten().tolist())  # of the expanded nodes (either row's)
+    for min_score in (scores[len(scores) // 4], scores[len(scores) // 2]):
+        tree = draft_trees(lambda h: base, hidden, [11, 3999], head, min_score=min_score, **kw)
+        gone = unexpanded_below(full, min_score)
+        assert 0 < int(gone.sum()) < gone.numel() and torch.equal(tree.depth, full.depth)
+        for got, want, empty in ((tree.tokens, full.tokens, -1), (tree.parents, full.parents, -1),
+                                 (tree.scores, full.scores, -1.0)):
+            assert torch.equal(got, torch.where(gone, torch.full_like(want, empty), want))
+    top = draft_trees(lambda h: base, hidden, [11, 3999], head, min_score=1.5, **kw)
+    first = full.depth == 1
+    assert torch.equal(top.tokens[:, first], full.tokens[:, first]) and bool((top.scores[:, ~first] == -1).all())
+    with pytest.raises(ValueError, match="min_score"):
+        draft_trees(lambda h: base, hidden, [11, 3999], head, min_score=-0.1, **kw)
+
+
 def test_rank0_is_pure_dflash():
     cfg = small_cfg(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
     m = build(cfg)

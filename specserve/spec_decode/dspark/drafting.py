@@ -144,7 +144,8 @@ class DraftTree(NamedTuple):
     parent's candidate index, always smaller than the node's own (candidates come depth by depth);
     depth [C] long (1 = a child of the root; the same layout for every row); scores [B, C] float32:
     the estimated probability that the whole path root -> node is accepted (never above the
-    parent's)."""
+    parent's). A place of the layout below a node the search did not expand (``draft_trees``'
+    ``min_score``) holds no node: token, parent and score -1."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -156,14 +157,16 @@ class DraftTree(NamedTuple):
 def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchors,
                 markov: MarkovHead | None = None, *, topk: int = 4, beam: int = 4, temperatures=None,
                 confidence_head: ConfidenceHead | None = None, confidence_temperatures=None,
-                d2t: torch.Tensor | None = None, num_drafts: int | None = None) -> DraftTree:
+                d2t: torch.Tensor | None = None, num_drafts: int | None = None, min_score: float = 0.0) -> DraftTree:
     """Candidate draft trees from the draft slots of a batch of blocks, expanded best first.
 
     The block forward gives every depth k its base logits ``U_k`` once; a node's children come from
     ``U_k + B_k(x)``, the Markov bias of the node's OWN token x (and, for the rnn head, the state
     along its own path), so every branch is drafted as if it were the chain. Depth 1 holds the
     ``topk`` children of the root; each further depth holds the ``topk`` children of each of the
-    ``beam`` best-scoring nodes of the depth before.
+    ``beam`` best-scoring nodes of the depth before, of those scoring at least ``min_score`` only (a
+    node's descendants never score above it: a cost model that verifies no node below some score
+    needs none of them). The places of the nodes not expanded keep the layout, empty (``DraftTree``).
 
     A node's score is the product along its path of the probability that each step is accepted given
     its parent was: for a greedy row (temperature None or < 1e-5) with a confidence head, the
@@ -184,8 +187,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     device = hidden.device
     if confidence_head is not None and confidence_head.with_markov and markov is None:
         raise ValueError("the confidence head reads W1[x_{k-1}] but there is no Markov head")
-    if topk < 1 or beam < 1:
-        raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
+    if topk < 1 or beam < 1 or not min_score >= 0.0:
+        raise ValueError(f"topk and beam must be >= 1 and min_score >= 0, got {topk}, {beam} and {min_score}")
     temps = [None] * B if temperatures is None else list(temperatures)
     is_greedy = [t is None or t < 1e-5 for t in temps]
     scale = greedy = None  # all rows greedy: no temperature division, no per-row choice of the factor
@@ -202,15 +205,15 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     ops = cpu_ops.active() if g and pack is not None and device.type == "cpu" else None
     if ops is not None:  # the whole search in one C++ call (a vanilla head packed for it)
         return _tree_search(ops, pack, base, hidden, markov.prev_embeddings(prev.view(B)), confidence_head,
-                            is_greedy, temps, ctemps, topk, beam, to_target)
+                            is_greedy, temps, ctemps, topk, beam, to_target, min_score)
     state, toks, pars, scores, depth, offset = None, [], [], [], [], 0
     for k in range(g):
         W, V = prev.shape[1], base.shape[-1]
         kk = min(topk, V)
         h = hidden[:, k : k + 1].expand(B, W, hidden.shape[-1]).reshape(B * W, -1)
         bias, emb = None, None
-        if markov is not None:
-            bias, state, emb = markov.step(prev.reshape(-1), h, state)
+        if markov is not None:  # (a place not expanded has token -1: any row will do, its children are dropped)
+            bias, state, emb = markov.step(prev.reshape(-1).clamp_min(0), h, state)
             bias = bias.view(B, W, V)
         top_q, top_i = cpu_ops.softmax_topk(base[:, k], bias, scale, kk)
         top_q, top_i = top_q.expand(B, W, kk), top_i.expand(B, W, kk)  # no bias: every node's children alike
@@ -224,8 +227,12 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         child = (fscore.unsqueeze(-1) * factor).reshape(B, W * kk)
         tok = top_i.reshape(B, W * kk)
         tok = to_target[tok] if to_target is not None else tok
+        par = fidx.unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk)
+        empty = (fscore < min_score).unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk)  # (the root: expanded)
+        if k and bool(empty.any()):
+            tok, par, child = tok.masked_fill(empty, -1), par.masked_fill(empty, -1), child.masked_fill(empty, -1.0)
         toks.append(tok)
-        pars.append(fidx.unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk))
+        pars.append(par)
         scores.append(child)
         depth += [k + 1] * (W * kk)
         if k + 1 < g:  # the next depth expands this depth's best nodes
@@ -244,7 +251,7 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
 
 
 def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy, temps, ctemps, topk, beam,
-                 to_target) -> DraftTree:
+                 to_target, min_score: float = 0.0) -> DraftTree:
     """``draft_trees``' search by ``cpu_ops.tree_search``: the same nodes in the same layout (a tie between
     two candidates goes to the lower draft id / node index), the scores to float32 rounding."""
     B, g, d = hidden.shape
@@ -257,12 +264,14 @@ def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy
         conf_we = w[d:] if confidence_head.with_markov else w.new_zeros(w1d.shape[1])
     tok, par, score = ops.tree_search(base, anchor_emb.float(), w1d, w2p, t, conf_a, conf_we,
                                       torch.tensor(is_greedy) & (confidence_head is not None),
-                                      torch.tensor(ctemps, dtype=torch.float32), topk, beam)
+                                      torch.tensor(ctemps, dtype=torch.float32), topk, beam, float(min_score))
     kk, W, depth = min(topk, base.shape[-1]), 1, []
     for k in range(g):
         depth += [k + 1] * (W * kk)
         W = min(beam, W * kk)
-    return DraftTree(tok if to_target is None else to_target[tok], par, torch.tensor(depth, dtype=torch.long), score)
+    if to_target is not None:
+        tok = torch.where(tok >= 0, to_target[tok.clamp_min(0)], tok)
+    return DraftTree(tok, par, torch.tensor(depth, dtype=torch.long), score)
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,

@@ -491,12 +491,13 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def propose_tree_batch(self, anchors: list[int], start_pos: list[int], caches: list, embed_fn,
                            target_logits_fn=None, temperatures=None, num_drafts: int | None = None, topk: int = 4,
-                           beam: int = 4, confidence_temperatures=None) -> DraftTree:
+                           beam: int = 4, confidence_temperatures=None, min_score: float = 0.0) -> DraftTree:
         """Candidate draft trees of a batch of sequences (``draft_trees``) from one block forward."""
         ids, hidden = self._draft_slots(anchors, start_pos, caches, embed_fn)
         return draft_trees(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
                            topk=topk, beam=beam, temperatures=temperatures, confidence_head=self.confidence_head,
-                           confidence_temperatures=confidence_temperatures, d2t=self.d2t, num_drafts=num_drafts)
+                           confidence_temperatures=confidence_temperatures, d2t=self.d2t, num_drafts=num_drafts,
+                           min_score=min_score)
 
     def _draft_slots(self, anchors, start_pos, caches, embed_fn) -> tuple[torch.Tensor, torch.Tensor]:
         """Block input ids [S, B] and the draft slots' hidden states [S, g, d] of one block forward."""

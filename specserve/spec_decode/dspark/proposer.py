@@ -226,12 +226,12 @@ class DSparkDraftWorker:
 
     @torch.inference_mode()
     def propose_tree(self, seq_ids, anchors, starts, num_drafts: int, temperatures=None, topk: int = 4,
-                     beam: int = 4, confidence_temperatures=None):
+                     beam: int = 4, confidence_temperatures=None, min_score: float = 0.0):
         """Candidate draft trees, one per sequence, from one block forward (``DraftTree`` on the driver,
-        None elsewhere)."""
+        None elsewhere); ``min_score``: ``draft_trees``'."""
         tree = self.drafter.propose_tree_batch(anchors, starts, self.ready_caches(seq_ids), self.embed,
                                                self.logits_fn, temperatures, num_drafts, topk, beam,
-                                               confidence_temperatures)
+                                               confidence_temperatures, min_score)
         return tree if self.tp.is_driver else None
 
     @torch.inference_mode()
@@ -446,7 +446,7 @@ class DSparkProposer(ModelDrafter):
         cand = self.target.call_helper(
             self.name, "propose_tree", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
             [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, self.tree_topk,
-            self.tree_beam, self.conf_temps)
+            self.tree_beam, self.conf_temps, self.expand_threshold([seqs[b] for b in rows]) if self.tree_size == "auto" else 0.0)
         synchronize(cand.scores.device)
         draft_s = time.perf_counter() - t0
         self.drafting.observe(len(rows), draft_s)
