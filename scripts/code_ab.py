@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import json
 import re
 import shutil
 import sys
@@ -55,12 +56,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old", type=Path, help="checkout root of the old version")
     ap.add_argument("--method", default="medusa", help="the speculative method both versions run ('none': "
-                                                       "plain decoding)")
+                                                       "plain decoding), or its speculative_config as JSON")
+    ap.add_argument("--speculation-gate", choices=("on", "off"), default="on",
+                    help="'off': both versions draft every step they can (the engine's speculation gate)")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
     args = parse_ab_arguments(ap)
-    spec = None if args.method == "none" else {"method": args.method}
-    engines = {"plain": LLM(), "old": OldLLM(import_old(args.old), speculative_config=spec),
-               "new": LLM(speculative_config=spec)}
+    spec = (None if args.method == "none" else json.loads(args.method) if args.method.startswith("{")
+            else {"method": args.method})
+    gate = args.speculation_gate == "on"
+    engines = {"plain": LLM(), "old": OldLLM(import_old(args.old), speculative_config=spec, speculation_gate=gate),
+               "new": LLM(speculative_config=spec, speculation_gate=gate)}
     prompts, wall, tokens, same = interleaved_chats(engines, args, temperature=args.temperature)
     print_ab_table(f"{args.method}: ", args, engines, prompts, wall, tokens, same)
 
