@@ -731,6 +731,11 @@ def test_block_forward_cache_equals_direct_and_is_non_causal(fused):
     cache = m.new_cache(capacity=2)  # forces growth
     cache.extend(feats[:3], torch.arange(3))  # features arrive in pieces, as tokens get committed
     cache.extend(feats[3:], torch.arange(3, n_ctx))
+    spans = m.new_cache()  # consecutive positions given as ranges (the drafting worker's): the same entries
+    spans.extend(feats[:3], range(3))
+    spans.extend(feats[3:], range(3, n_ctx))
+    assert torch.equal(spans.kv[..., :n_ctx, :], cache.kv[..., :n_ctx, :]) and torch.equal(spans.positions,
+                                                                                         cache.positions)
     out = m.forward_block_embeds(x, n_ctx, cache)
     want = direct_block(sd, cfg, feats, torch.arange(n_ctx), x, n_ctx)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

@@ -55,7 +55,7 @@ from specserve.layers.attention import ForwardContext
 from specserve.layers.embed_head import LogitsProcessor, ParallelLMHead
 from specserve.layers.linear import ReplicatedLinear, ShapeMismatch, default_weight_loader
 from specserve.layers.norm import RMSNorm, rms_norm_heads, stack_head_norms
-from specserve.layers.rotary import RotaryEmbedding, apply_rotary
+from specserve.layers.rotary import RotaryEmbedding, apply_rotary, rotate_
 from specserve.models.llama import decoder_layer_call, layer_call_weights
 from specserve.models.loader import CheckpointError
 from specserve.spec_decode.dspark.config import DSparkConfig
@@ -225,14 +225,16 @@ class DraftCache:
     @torch.no_grad()
     def extend(self, features: torch.Tensor, positions) -> None:
         """Append the context rows ``features`` [n, m*d] (target layer outputs, concatenated in
-        ``target_layer_ids`` order) at absolute ``positions`` [n]."""
+        ``target_layer_ids`` order) at absolute ``positions`` [n] (a ``range`` of step 1: consecutive)."""
         n = features.shape[0]
         if n == 0:
             return
-        positions = torch.as_tensor(positions, dtype=torch.long, device=self._device).reshape(-1)
+        span = (positions.start, positions.stop) if isinstance(positions, range) and positions.step == 1 else None
+        positions = (torch.arange(*span, device=self._device) if span else
+                     torch.as_tensor(positions, dtype=torch.long, device=self._device).reshape(-1))
         if positions.numel() != n:
             raise ValueError(f"{n} feature rows but {positions.numel()} positions")
-        k, v = self.drafter.project_context(features, positions)
+        k, v = self.drafter.project_context(features, span or positions)
         self.reserve(self.length + n)
         a, b = self.length, self.length + n
         self.k[:, :, a:b] = k
@@ -299,16 +301,21 @@ class DFlashDrafter(nn.Module):
         w = self.hidden_norm.weight
         return self.hidden_norm(self.fc(features.to(device=w.device, dtype=w.dtype)))
 
-    def project_context(self, features: torch.Tensor, positions: torch.Tensor):
-        """Context rows [n, m*d] at positions [n] -> k, v [num_layers, Hkv, n, D] (every layer's)."""
+    def project_context(self, features: torch.Tensor, positions: torch.Tensor | tuple[int, int]):
+        """Context rows [n, m*d] at positions [n] (or the range (a, b)) -> k, v [num_layers, Hkv, n, D]
+        (every layer's)."""
         h = self.context_features(features)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
         if self.ctx_kv_proj is None:
+            if isinstance(positions, tuple):
+                positions = torch.arange(*positions, device=h.device)
+            cos, sin = self.rotary.cos_sin(positions, h.dtype)
             kv = [layer.self_attn.project_kv(h, cos, sin) for layer in self.layers]
             return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
         n, L, Hkv, D = h.shape[0], len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim
         kv = self.ctx_kv_proj(h).view(n, 2, L * Hkv, D)
-        k = apply_rotary(rms_norm_heads(kv[:, 0], self.ctx_k_norm_weight, self.cfg.rms_norm_eps), cos, sin)
+        cos, sin = self.rotary.rotation(positions, h.dtype)  # (``rotate_``: apply_rotary's bits, in place)
+        k = rotate_(rms_norm_heads(kv[:, 0], self.ctx_k_norm_weight, self.cfg.rms_norm_eps), cos.view(n, 1, D),
+                    sin.view(n, 1, D))
         return k.view(n, L, Hkv, D).permute(1, 2, 0, 3), kv[:, 1].view(n, L, Hkv, D).permute(1, 2, 0, 3)
 
     def fuse_projections(self) -> None:
@@ -484,7 +491,7 @@ class DFlashDrafter(nn.Module):
         """One drafting step of a batch of sequences (one block forward, one base-logits GEMM, the
         Markov loop batched): ``draft_blocks`` outputs with a leading batch dimension."""
         ids, hidden = self._draft_slots(anchors, start_pos, caches, embed_fn)
-        return draft_blocks(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
+        return draft_blocks(lambda h: self.base_logits(h, target_logits_fn), hidden, ids, self.markov_head,
                             temperatures, generators, self.d2t, confidence_head=self.confidence_head,
                             target_vocab_size=self.cfg.vocab_size, num_drafts=num_drafts)
 
@@ -494,16 +501,29 @@ class DFlashDrafter(nn.Module):
                            beam: int = 4, confidence_temperatures=None, min_score: float = 0.0) -> DraftTree:
         """Candidate draft trees of a batch of sequences (``draft_trees``) from one block forward."""
         ids, hidden = self._draft_slots(anchors, start_pos, caches, embed_fn)
-        return draft_trees(lambda h: self.base_logits(h, target_logits_fn), hidden, ids[:, 0], self.markov_head,
+        return draft_trees(lambda h: self.base_logits(h, target_logits_fn), hidden, ids, self.markov_head,
                            topk=topk, beam=beam, temperatures=temperatures, confidence_head=self.confidence_head,
                            confidence_temperatures=confidence_temperatures, d2t=self.d2t, num_drafts=num_drafts,
                            min_score=min_score)
 
     def _draft_slots(self, anchors, start_pos, caches, embed_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block input ids [S, B] and the draft slots' hidden states [S, g, d] of one block forward."""
-        ids = torch.stack([self.block_input_ids(a) for a in anchors])  # [S, B]
-        x = embed_fn(ids.reshape(-1)).view(ids.shape[0], ids.shape[1], -1)
+        """The anchors [S] and the draft slots' hidden states [S, g, d] of one block forward."""
+        ids = torch.as_tensor(anchors, dtype=torch.long, device=self.norm.weight.device).reshape(-1)
+        rows = embed_fn(ids)  # [S, d]: only the anchor varies; the mask slots' row is looked up once
+        S, B = rows.shape[0], self.cfg.block_size
+        mask = self.mask_row(embed_fn)
+        x = torch.cat([rows.unsqueeze(1), mask.to(rows.dtype).expand(S, B - 1, -1)], 1) if B > 1 else rows.unsqueeze(1)
         return ids, self.draft_hidden(self.forward_blocks(x, start_pos, caches))
+
+    _mask_rows = None  # (embed_fn, its row of the mask token): ``mask_row``
+
+    def mask_row(self, embed_fn) -> torch.Tensor:
+        """``embed_fn`` of the mask token, [1, d], looked up once per embedding function (with tensor
+        parallelism a collective, at the first drafting step of every rank)."""
+        if self._mask_rows is None or self._mask_rows[0] is not embed_fn:
+            ids = torch.full((1,), int(self.cfg.mask_token_id), dtype=torch.long, device=self.norm.weight.device)
+            self._mask_rows = (embed_fn, embed_fn(ids))
+        return self._mask_rows[1]
 
     # -- weights ------------------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:

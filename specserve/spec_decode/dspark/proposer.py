@@ -205,7 +205,7 @@ class DSparkDraftWorker:
                 else:  # joined and per-layer parts: each part joined first
                     features = torch.cat([part[0] if len(part) == 1 else torch.cat(part, dim=-1) for part in parts])
                 start = len(cache)
-                cache.extend(features, list(range(start, start + features.shape[0])))
+                cache.extend(features, range(start, start + features.shape[0]))
         return [self.caches[i] for i in seq_ids]
 
     def forget(self, seq_id: int) -> None:
@@ -241,6 +241,7 @@ class DSparkDraftWorker:
         ids = [-(i + 1) for i in range(batch)]
         for i in ids:
             self.observe(i, torch.zeros(context, d, device=self.device), reset=True)
+        self.drafter.mask_row(self.embed)  # (looked up at the first step only)
         before = dict(self.tp.counts)
         self.propose(ids, [0] * batch, [context] * batch, self.cfg.num_drafts)
         out = {k: v - before.get(k, 0) for k, v in self.tp.counts.items() if v - before.get(k, 0)}
