@@ -3,7 +3,8 @@ with plain decoding (the only fair A/B on a shared machine, where two processes 
 builds of the C++ ops: ``scripts/ops_builds.py``). The old version is a checkout (``git worktree add
 <dir> <commit>``) imported as ``specserve_old`` from a copy whose imports are renamed; each version
 loads the C++ ops of its own checkout. Held-out category prompts, greedy or sampled; prints tok/s over plain
-decoding per version and whether every answer equals plain decoding's. The figures of
+decoding per version and whether every answer equals plain decoding's, then each engine's decoding steps and
+their mean time, drafting included and alone. The figures of
 docs/drafters-by-category.md's thirteenth round come from ``python scripts/code_ab.py <old checkout>
 --method medusa --num-prompts 6`` (and ``--method dspark``)."""
 
@@ -68,6 +69,11 @@ def main() -> None:
                "new": LLM(speculative_config=spec, speculation_gate=gate)}
     prompts, wall, tokens, same = interleaved_chats(engines, args, temperature=args.temperature)
     print_ab_table(f"{args.method}: ", args, engines, prompts, wall, tokens, same)
+    print("| row | decoding steps | ms a step | of it drafting |\n|---|---|---|---|")
+    for name, llm in engines.items():
+        st = getattr(llm, "llm", llm).engine.stats
+        n = max(st.decode_steps, 1)
+        print(f"| {name} | {st.decode_steps} | {1e3 * st.decode_s / n:.2f} | {1e3 * st.draft_s / n:.2f} |")
 
 
 if __name__ == "__main__":
