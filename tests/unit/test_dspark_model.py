@@ -572,6 +572,22 @@ def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
     assert trees[0].tokens[0, :3].tolist() == to_target[[7, 1500, 2500]].tolist()
 
 
+def test_confidence_search_weights_follow_the_head():
+    """``ConfidenceHead.search_weights``: the projection's hidden part, bias and W1 part (zeros without
+    ``with_markov``) in float32, made again after the weights change."""
+    ch = ConfidenceHead(D, R, with_markov=True, dtype=torch.bfloat16)
+    w_h, b, w_e = ch.search_weights(R)
+    w = ch.proj.weight.detach().float()[0]
+    assert torch.equal(w_h, w[:D]) and torch.equal(w_e, w[D:]) and torch.equal(b, ch.proj.bias.detach().float())
+    assert ch.search_weights(R)[0] is w_h  # kept
+    with torch.no_grad():
+        ch.proj.weight.mul_(2.0)
+    assert torch.equal(ch.search_weights(R)[0], 2 * w[:D])
+    plain = ConfidenceHead(D)
+    w_h, _, w_e = plain.search_weights(R)
+    assert torch.equal(w_h, plain.proj.weight.detach()[0]) and torch.equal(w_e, torch.zeros(R))
+
+
 def unexpanded_below(tree, min_score: float) -> torch.Tensor:
     """[B, C] bool: the nodes of ``tree`` with an ancestor scoring below ``min_score`` (its layout's
     parents come first)."""

@@ -259,19 +259,31 @@ def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy
     t = torch.tensor([1.0 if gr else float(tp) for gr, tp in zip(is_greedy, temps)])
     conf_a = conf_we = None
     if confidence_head is not None:
-        w = confidence_head.proj.weight.detach().float()[0]  # [d (+ r)]: the hidden part, then W1's
-        conf_a = hidden.float() @ w[:d] + confidence_head.proj.bias.detach().float()
-        conf_we = w[d:] if confidence_head.with_markov else w.new_zeros(w1d.shape[1])
-    tok, par, score = ops.tree_search(base, anchor_emb.float(), w1d, w2p, t, conf_a, conf_we,
-                                      torch.tensor(is_greedy) & (confidence_head is not None),
+        w_h, bias, conf_we = confidence_head.search_weights(w1d.shape[1])
+        conf_a = torch.addmv(bias, hidden.reshape(B * g, d).float(), w_h).view(B, g)
+    scored = [gr and confidence_head is not None for gr in is_greedy]
+    tok, par, score = ops.tree_search(base, anchor_emb.float(), w1d, w2p, t, conf_a, conf_we, torch.tensor(scored),
                                       torch.tensor(ctemps, dtype=torch.float32), topk, beam, float(min_score))
     kk, W, depth = min(topk, base.shape[-1]), 1, []
     for k in range(g):
         depth += [k + 1] * (W * kk)
         W = min(beam, W * kk)
-    if to_target is not None:
-        tok = torch.where(tok >= 0, to_target[tok.clamp_min(0)], tok)
+    if to_target is not None:  # (an empty place, -1, reads the entry after the table's: -1)
+        tok = _with_empty(to_target)[tok]
     return DraftTree(tok, par, torch.tensor(depth, dtype=torch.long), score)
+
+
+_EMPTY_IDS: dict = {}  # id of a target-id table -> (it, it followed by -1): ``_with_empty``
+
+
+def _with_empty(to_target: torch.Tensor) -> torch.Tensor:
+    """``to_target`` with -1 appended (index -1 then maps an empty place to -1), made once per table."""
+    hit = _EMPTY_IDS.get(id(to_target))
+    if hit is None or hit[0] is not to_target:
+        if len(_EMPTY_IDS) >= 16:
+            _EMPTY_IDS.clear()
+        hit = _EMPTY_IDS[id(to_target)] = (to_target, torch.cat([to_target, to_target.new_full((1,), -1)]))
+    return hit[1]
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,

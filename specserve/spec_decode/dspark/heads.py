@@ -143,3 +143,16 @@ class ConfidenceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logits(hidden, prev_emb))
 
+    _search = None  # ``search_weights``: (the weights' versions, then what it returns)
+
+    def search_weights(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the C++ tree search reads, float32: the projection's hidden part [d], its bias [1] and its
+        W1 part [rank] (zeros without ``with_markov``); made again only when the weights change."""
+        key = (self.proj.weight._version, self.proj.bias._version, rank)
+        if self._search is None or self._search[0] != key:
+            w = self.proj.weight.detach().float()[0]
+            d = w.numel() - (rank if self.with_markov else 0)
+            we = w[d:].clone() if self.with_markov else w.new_zeros(rank)
+            self._search = (key, w[:d].clone(), self.proj.bias.detach().float().clone(), we)
+        return self._search[1:]
+
