@@ -1868,7 +1868,7 @@ void search_row(const float* base, const float* anchor_emb, const T* w1, const T
         score_out[at_] = child[w * kk + j];
       }
     }
-    if (d + 1 < g) {  // the next depth expands this depth's best nodes scoring min_score or more (ties: the lower index)
+    if (d + 1 < g) {  // the next depth expands this depth's best nodes of min_score or more (ties: the lower index)
       std::vector<int64_t> order(C);
       for (int64_t j = 0; j < C; ++j) order[j] = j;
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return child[a] > child[b]; });

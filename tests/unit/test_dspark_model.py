@@ -525,6 +525,24 @@ def test_draft_trees_branches_follow_their_own_path(head_type, pruned, topk_path
         assert path == chain[b].tolist()
 
 
+CHUNKED = (4000, 2600, 32, 5)  # target and draft vocabularies, Markov rank, depths: several of the op's chunks
+
+
+def chunked_search_heads(seed: int, dtype=torch.float32):
+    """A random draft vocabulary of ``CHUNKED``'s sizes (its target ids, the t2d mask), a vanilla Markov head
+    and a confidence head reading W1 for the search tests."""
+    vt, vd, r, _ = CHUNKED
+    torch.manual_seed(seed)
+    to_target = torch.randperm(vt)[:vd].sort().values
+    t2d = torch.zeros(vt, dtype=torch.bool)
+    t2d[to_target] = True
+    head = MarkovHead(vt, vd, r, D, "vanilla", dtype=dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return to_target, t2d, head, ConfidenceHead(D, r, with_markov=True, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
     """Over a draft vocabulary of several of the op's chunks (1,024 ids each, the last one short), the
@@ -533,16 +551,8 @@ def test_one_call_tree_search_equals_the_loop_across_chunks(dtype):
     across chunks goes to the lower id in both."""
     if cpu_ops.get() is None:
         pytest.skip("the C++ extension did not build here")
-    vt, vd, r, g = 4000, 2600, 32, 5
-    torch.manual_seed(1)
-    to_target = torch.randperm(vt)[:vd].sort().values
-    t2d = torch.zeros(vt, dtype=torch.bool)
-    t2d[to_target] = True
-    head = MarkovHead(vt, vd, r, D, "vanilla", dtype=dtype)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape) * 0.3)
-    ch = ConfidenceHead(D, r, with_markov=True, dtype=dtype)
+    vt, vd, r, g = CHUNKED
+    to_target, t2d, head, ch = chunked_search_heads(1, dtype)
     hidden = torch.randn(2, g, D).to(dtype)
     base = torch.randn(2, g, vd)
     base[0, 0, [7, 1500, 2500]] = 9.0  # a three-way tie for the first children of row 0, in three chunks
@@ -609,16 +619,8 @@ def test_tree_search_expands_only_nodes_above_min_score(search):
     ``min_score`` above every score leaves only the root's children."""
     if search and cpu_ops.get() is None:
         pytest.skip("the C++ extension did not build here")
-    vt, vd, r, g = 4000, 2600, 32, 5
-    torch.manual_seed(2)
-    to_target = torch.randperm(vt)[:vd].sort().values
-    t2d = torch.zeros(vt, dtype=torch.bool)
-    t2d[to_target] = True
-    head = MarkovHead(vt, vd, r, D, "vanilla")
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape) * 0.3)
-    ch = ConfidenceHead(D, r, with_markov=True)
+    vt, vd, r, g = CHUNKED
+    to_target, t2d, head, ch = chunked_search_heads(2)
     hidden, base = torch.randn(2, g, D), torch.randn(2, g, vd) * 3
     if search:
         head.pack_for_search(to_target)

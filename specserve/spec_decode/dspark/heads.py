@@ -155,4 +155,3 @@ class ConfidenceHead(nn.Module):
             we = w[d:].clone() if self.with_markov else w.new_zeros(rank)
             self._search = (key, w[:d].clone(), self.proj.bias.detach().float().clone(), we)
         return self._search[1:]
-

@@ -443,11 +443,13 @@ class DSparkProposer(ModelDrafter):
         many as the cost model finds worth verifying (``"auto"``), then with the chosen nodes of its
         n-gram ``branches`` (``tree_select.merge_branches``) when they are offered."""
         temps = [None if seqs[b].params.greedy else float(seqs[b].params.temperature) for b in rows]
+        # "auto": the search leaves out the nodes the cost model would not verify
+        min_score = self.expand_threshold([seqs[b] for b in rows]) if self.tree_size == "auto" else 0.0
         t0 = time.perf_counter()
         cand = self.target.call_helper(
             self.name, "propose_tree", [seqs[b].seq_id for b in rows], [seqs[b].output_ids[-1] for b in rows],
             [seqs[b].num_computed for b in rows], max(budget[b] for b in rows), temps, self.tree_topk,
-            self.tree_beam, self.conf_temps, self.expand_threshold([seqs[b] for b in rows]) if self.tree_size == "auto" else 0.0)
+            self.tree_beam, self.conf_temps, min_score)
         synchronize(cand.scores.device)
         draft_s = time.perf_counter() - t0
         self.drafting.observe(len(rows), draft_s)
