@@ -103,10 +103,11 @@ class ModelDrafter(Proposer):
         """The least raw score of a candidate node whose children a tree search of this batch should still
         draft: half of what one more verified token costs on average, as a share of a step without drafts,
         over the first ``EXPAND_TOKENS`` drafts a sequence (``verify_cost``), over the largest calibration
-        factor of the batch's sampling settings (the cost model compares calibrated scores). A node of
-        score s is worth verifying only where s exceeds the cost of its token as a share of the step
-        (times the tokens the step yields already), and its descendants score at most s: so a node
-        below this gets no children that the cost model would take (0: no cost table yet)."""
+        factor of the batch's sampling settings (the cost model compares calibrated scores; 0 without a
+        cost table). A node of score s is worth verifying only where s exceeds its token's cost as a
+        share of the step (times the tokens the step yields already), and its descendants score at most
+        s: with costs that grow evenly the cost model takes no node below that share, and the half
+        leaves room for costs that do not."""
         if self._verify_costs is None or not seqs:
             return 0.0
         B, K = len(seqs), EXPAND_TOKENS
