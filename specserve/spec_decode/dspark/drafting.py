@@ -228,8 +228,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         tok = top_i.reshape(B, W * kk)
         tok = to_target[tok] if to_target is not None else tok
         par = fidx.unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk)
-        empty = (fscore < min_score).unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk)  # (the root: expanded)
-        if k and bool(empty.any()):
+        if k and min_score > 0.0:  # (the root is always expanded; no device sync to ask whether any is empty)
+            empty = (fscore < min_score).unsqueeze(-1).expand(B, W, kk).reshape(B, W * kk)
             tok, par, child = tok.masked_fill(empty, -1), par.masked_fill(empty, -1), child.masked_fill(empty, -1.0)
         toks.append(tok)
         pars.append(par)
