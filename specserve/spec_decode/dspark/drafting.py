@@ -100,26 +100,28 @@ def draft_blocks(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
     return DraftBlock(torch.stack(tokens, dim=1) if drafted is None else drafted, out_probs, confs)
 
 
-_TARGET_IDS: dict = {}  # (id, version, device) of a d2t -> (that d2t, its target ids): made once a drafter
+_TARGET_IDS: dict = {}  # (id, version, device) of a d2t -> (that d2t, its target ids, then -1): made once a drafter
 
 
-def draft_target_ids(d2t: torch.Tensor | None, device=None) -> torch.Tensor | None:
+def draft_target_ids(d2t: torch.Tensor | None, device=None, with_empty: bool = False) -> torch.Tensor | None:
     """The target id of every draft id [V_draft] from ``d2t`` offsets or a bool ``t2d`` mask (None: the
-    draft vocabulary is the target's), on ``device`` (default: ``d2t``'s). Kept for the next call with
-    the same, unchanged ``d2t`` (every drafting step asks): read it, never write it."""
+    draft vocabulary is the target's), on ``device`` (default: ``d2t``'s); ``with_empty``: with -1 after
+    them, so that index -1 (an empty place of a ``DraftTree``) maps to -1. Kept for the next call with the
+    same, unchanged ``d2t`` (every drafting step asks): read it, never write it."""
     if d2t is None:
         return None
     device = d2t.device if device is None else torch.device(device)
     key = (id(d2t), d2t._version, str(device))
     hit = _TARGET_IDS.get(key)
-    if hit is not None and hit[0] is d2t:
-        return hit[1]
-    offsets = d2t_from_t2d(d2t) if d2t.dtype == torch.bool else d2t
-    ids = torch.arange(offsets.numel(), device=device, dtype=torch.long) + offsets.to(device=device, dtype=torch.long)
-    if len(_TARGET_IDS) >= 16:
-        _TARGET_IDS.clear()
-    _TARGET_IDS[key] = (d2t, ids)
-    return ids
+    if hit is None or hit[0] is not d2t:
+        offsets = d2t_from_t2d(d2t) if d2t.dtype == torch.bool else d2t
+        ids = torch.arange(offsets.numel() + 1, device=device, dtype=torch.long)
+        ids[:-1] += offsets.to(device=device, dtype=torch.long)
+        ids[-1] = -1
+        if len(_TARGET_IDS) >= 16:
+            _TARGET_IDS.clear()
+        hit = _TARGET_IDS[key] = (d2t, ids)
+    return hit[1] if with_empty else hit[1][:-1]
 
 
 def confidence_temperature_list(temperatures, g: int) -> list[float]:
@@ -205,7 +207,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
     ops = cpu_ops.active() if g and pack is not None and device.type == "cpu" else None
     if ops is not None:  # the whole search in one C++ call (a vanilla head packed for it)
         return _tree_search(ops, pack, base, hidden, markov.prev_embeddings(prev.view(B)), confidence_head,
-                            is_greedy, temps, ctemps, topk, beam, to_target, min_score)
+                            is_greedy, temps, ctemps, topk, beam, draft_target_ids(d2t, device, with_empty=True),
+                            min_score)
     state, toks, pars, scores, depth, offset = None, [], [], [], [], 0
     for k in range(g):
         W, V = prev.shape[1], base.shape[-1]
@@ -253,7 +256,8 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
 def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy, temps, ctemps, topk, beam,
                  to_target, min_score: float = 0.0) -> DraftTree:
     """``draft_trees``' search by ``cpu_ops.tree_search``: the same nodes in the same layout (a tie between
-    two candidates goes to the lower draft id / node index), the scores to float32 rounding."""
+    two candidates goes to the lower draft id / node index), the scores to float32 rounding. ``to_target``:
+    ``draft_target_ids(d2t, with_empty=True)``, or None."""
     B, g, d = hidden.shape
     w1d, w2p = pack
     t = torch.tensor([1.0 if gr else float(tp) for gr, tp in zip(is_greedy, temps)])
@@ -268,22 +272,9 @@ def _tree_search(ops, pack, base, hidden, anchor_emb, confidence_head, is_greedy
     for k in range(g):
         depth += [k + 1] * (W * kk)
         W = min(beam, W * kk)
-    if to_target is not None:  # (an empty place, -1, reads the entry after the table's: -1)
-        tok = _with_empty(to_target)[tok]
+    if to_target is not None:  # (an empty place, -1, reads the table's last entry: -1)
+        tok = to_target[tok]
     return DraftTree(tok, par, torch.tensor(depth, dtype=torch.long), score)
-
-
-_EMPTY_IDS: dict = {}  # id of a target-id table -> (it, it followed by -1): ``_with_empty``
-
-
-def _with_empty(to_target: torch.Tensor) -> torch.Tensor:
-    """``to_target`` with -1 appended (index -1 then maps an empty place to -1), made once per table."""
-    hit = _EMPTY_IDS.get(id(to_target))
-    if hit is None or hit[0] is not to_target:
-        if len(_EMPTY_IDS) >= 16:
-            _EMPTY_IDS.clear()
-        hit = _EMPTY_IDS[id(to_target)] = (to_target, torch.cat([to_target, to_target.new_full((1,), -1)]))
-    return hit[1]
 
 
 def draft_block(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, anchor,
