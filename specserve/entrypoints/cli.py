@@ -31,6 +31,7 @@ EXIT_USAGE = 2
 # their average over `specserve bench --prompts chitchat-heldout` (the former question, "Explain in three
 # sentences why the sky is blue.", was among their worst: tau 1.2 against ~1.9 on average)
 DEMO_QUESTION = "What do you like to do on weekends?"
+DEMO_TOKENS = 96  # a demo answer's tokens
 
 
 class CLIError(Exception):
@@ -494,25 +495,29 @@ def cmd_perplexity(args) -> int:
 
 def cmd_demo(args) -> int:
     """Plain decoding, then lossless Medusa and DSpark drafting, on the same chat prompt: same text,
-    tokens/s and mean acceptance length (tau) of each."""
+    tokens/s and mean acceptance length (tau) of each; then one held-out prompt of every category through
+    the three, interleaved prompt by prompt, for speeds less at the mercy of one short answer."""
+    from types import SimpleNamespace
 
+    import torch
 
-    params = SamplingParams(temperature=0.0, max_tokens=96)
+    from specserve.bench.categories import category_prompts, interleaved_chats
+
+    params = SamplingParams(temperature=0.0, max_tokens=DEMO_TOKENS)
     runs = [("plain decoding", None),
             ("Medusa (shipped heads; the cost model chooses each step's tree among their candidates and n-gram "
              "branches; lossless)",
              {"method": "medusa", "medusa_tree": "auto", "medusa_verify": "auto", **DEMO_BRANCHES}),
             ("DSpark (shipped drafter; the cost model chooses each step's tree among its candidates and n-gram "
              "branches; lossless)", {"method": "dspark", "dspark_tree": "auto", **DEMO_BRANCHES})]
-    results = []
-    for title, spec in runs:
-        t0 = time.perf_counter()
-        llm = LLM(num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"),
-                  quantization=quantization_arg(getattr(args, "quantization", "auto")))
-        load_s = time.perf_counter() - t0
-        try:
-            import torch
-
+    engines, results = {}, []
+    try:
+        for title, spec in runs:
+            t0 = time.perf_counter()
+            llm = engines[title.split(" (")[0]] = LLM(
+                num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"),
+                quantization=quantization_arg(getattr(args, "quantization", "auto")))
+            load_s = time.perf_counter() - t0
             dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
             quant = getattr(llm.engine.runner, "quantization", None)
             dtype += f", {quant} weights" if quant else ""
@@ -527,16 +532,32 @@ def cmd_demo(args) -> int:
             results.append((title, out.outputs[0].token_ids, dec, tau))
             print(f"-> {len(out.outputs[0].token_ids)} tokens in {wall:.2f} s: decoding {dec:.1f} tok/s, "
                   f"mean acceptance length {tau:.2f}")
-        finally:
+        _, base_ids, base_tps, _ = results[0]
+        print()
+        for title, ids, tps, tau in results[1:]:
+            same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
+            print(f"{title.split(' (')[0]} vs plain, this answer: {tps / base_tps:.2f}x decoding speed, "
+                  f"mean acceptance length {tau:.2f}, text {same}")
+        prompts = category_prompts("categories", 1)
+        print(f"\none answer is too short to time: {len(prompts)} held-out prompts, one of every category "
+              f"(specserve/bench/categories-heldout.jsonl.gz), through the three in turn, {DEMO_TOKENS} tokens "
+              "each ...", flush=True)
+        before = {name: llm.get_metrics() for name, llm in engines.items()}
+        _, wall, tokens, same = interleaved_chats(engines, SimpleNamespace(max_tokens=DEMO_TOKENS), prompts)
+        plain = next(iter(engines))
+        for name, llm in list(engines.items())[1:]:
+            m0, m1 = before[name], llm.get_metrics()
+            steps = m1["num_verify_steps"] - m0["num_verify_steps"]
+            tau = 1.0 + (m1["num_accepted_tokens"] - m0["num_accepted_tokens"]) / max(steps, 1)
+            ok = f"{same[name]}/{len(prompts)} answers identical" + ("" if same[name] == len(prompts) else
+                                                                      " (a bug: please report it)")
+            print(f"{name} vs plain: {wall[plain] / wall[name]:.2f}x tokens/s (request wall time, "
+                  f"{tokens[name]} tokens), mean acceptance length {tau:.2f}, {ok}")
+    finally:
+        for llm in engines.values():
             llm.shutdown()
-    _, base_ids, base_tps, _ = results[0]
-    print()
-    for title, ids, tps, tau in results[1:]:
-        same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
-        print(f"{title.split(' (')[0]} vs plain: {tps / base_tps:.2f}x decoding speed, "
-              f"mean acceptance length {tau:.2f}, text {same}")
-    print("(one answer; `specserve bench --prompts chitchat-heldout --num-prompts 20` averages 20 held-out chat "
-          "prompts)")
+    print("(`specserve bench --prompts categories --num-prompts 6` averages 48 held-out prompts, with llama.cpp "
+          "beside them)")
     print("next: specserve generate --chat --prompt '...' --speculative-method medusa   |   "
           "specserve bench --methods none,ngram,medusa,dspark,dflash")
     return 0

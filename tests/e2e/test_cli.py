@@ -127,7 +127,8 @@ def test_convert_default_gguf(tmp_path):
 
 def test_demo_in_bfloat16_gives_plain_decodings_text():
     """``specserve demo --dtype bfloat16``: on a CPU that packs bfloat16 weights the forwards are
-    batch-invariant, so both drafters' answers are plain bfloat16 decoding's, token for token."""
+    batch-invariant, so both drafters' answers are plain bfloat16 decoding's, token for token: the
+    streamed one and the timed held-out prompts of every category."""
     import torch
 
     from specserve.layers.linear import mkldnn_packing_available
@@ -138,6 +139,11 @@ def test_demo_in_bfloat16_gives_plain_decodings_text():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("(bfloat16, gguf weights, 2 CPU threads)") == 3
     assert r.stdout.count("text identical") == 2 and "DIFFERENT" not in r.stdout, r.stdout
+    from specserve.bench.categories import category_prompts
+
+    timed = len(category_prompts("categories", 1))
+    assert r.stdout.count(f"{timed}/{timed} answers identical") == 2 and "a bug" not in r.stdout, r.stdout
+    assert r.stdout.count("x tokens/s (request wall time") == 2
 
 
 def test_bench_drafter_checkpoint_by_path(tmp_path):
