@@ -513,8 +513,9 @@ def cmd_demo(args) -> int:
     engines, results = {}, []
     try:
         for title, spec in runs:
+            name = title.split(" (")[0]
             t0 = time.perf_counter()
-            llm = engines[title.split(" (")[0]] = LLM(
+            llm = engines[name] = LLM(
                 num_threads=args.threads, speculative_config=spec, dtype=getattr(args, "dtype", "auto"),
                 quantization=quantization_arg(getattr(args, "quantization", "auto")))
             load_s = time.perf_counter() - t0
@@ -529,14 +530,14 @@ def cmd_demo(args) -> int:
             st = llm.engine.stats
             dec = st.decode_tokens / st.decode_s if st.decode_s > 0 else 0.0
             tau = llm.get_metrics()["mean_acceptance_length"]
-            results.append((title, out.outputs[0].token_ids, dec, tau))
+            results.append((name, out.outputs[0].token_ids, dec, tau))
             print(f"-> {len(out.outputs[0].token_ids)} tokens in {wall:.2f} s: decoding {dec:.1f} tok/s, "
                   f"mean acceptance length {tau:.2f}")
         _, base_ids, base_tps, _ = results[0]
         print()
-        for title, ids, tps, tau in results[1:]:
+        for name, ids, tps, tau in results[1:]:
             same = "identical" if ids == base_ids else "DIFFERENT (a bug: please report it)"
-            print(f"{title.split(' (')[0]} vs plain, this answer: {tps / base_tps:.2f}x decoding speed, "
+            print(f"{name} vs plain, this answer: {tps / base_tps:.2f}x decoding speed, "
                   f"mean acceptance length {tau:.2f}, text {same}")
         prompts = category_prompts("categories", 1)
         print(f"\none answer is too short to time: {len(prompts)} held-out prompts, one of every category "
