@@ -198,10 +198,7 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         scale = torch.tensor([1.0 if gr else float(t) for gr, t in zip(is_greedy, temps)], device=device).view(B, 1, 1)
         greedy = torch.tensor(is_greedy, device=device).view(B, 1, 1)
     ctemps = confidence_temperature_list(confidence_temperatures, g)
-    to_target = draft_target_ids(d2t, device)
     prev = torch.as_tensor(anchors, device=device, dtype=torch.long).reshape(B, 1)
-    fscore = torch.ones(B, 1, device=device)
-    fidx = torch.full((B, 1), -1, dtype=torch.long, device=device)
     base = base_logits_fn(hidden).float() if g else None  # [B, g, V_draft]
     pack = None if markov is None else markov.search_pack
     ops = cpu_ops.active() if g and pack is not None and device.type == "cpu" else None
@@ -209,6 +206,9 @@ def draft_trees(base_logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: 
         return _tree_search(ops, pack, base, hidden, markov.prev_embeddings(prev.view(B)), confidence_head,
                             is_greedy, temps, ctemps, topk, beam, draft_target_ids(d2t, device, with_empty=True),
                             min_score)
+    to_target = draft_target_ids(d2t, device)
+    fscore = torch.ones(B, 1, device=device)
+    fidx = torch.full((B, 1), -1, dtype=torch.long, device=device)
     state, toks, pars, scores, depth, offset = None, [], [], [], [], 0
     for k in range(g):
         W, V = prev.shape[1], base.shape[-1]
